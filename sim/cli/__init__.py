@@ -1,0 +1,1 @@
+"""The ``moesim`` command line: one module per subcommand, each with ``add_arguments`` and ``run``."""

@@ -1,0 +1,154 @@
+"""Strict YAML reading and pydantic validation errors turned into messages that name file and field."""
+
+from __future__ import annotations
+
+import re
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from sim.errors import InputError, did_you_mean
+
+M = TypeVar("M", bound=BaseModel)
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that rejects duplicate mapping keys (PyYAML silently keeps the last one)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    out: dict = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in out:
+            line = key_node.start_mark.line + 1
+            raise InputError(f"duplicate key '{key}' at line {line}", field=str(key))
+        out[key] = loader.construct_object(value_node, deep=deep)
+    return out
+
+
+_StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
+
+
+def read_text(path: str | Path, what: str = "file") -> str:
+    """The text of ``path``; a missing, unreadable or binary file is an :class:`InputError`."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError(f"{what} not found", file=str(path))
+    if p.is_dir():
+        raise InputError(f"{what} is a directory, expected a file", file=str(path))
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read {what}: {exc.strerror}", file=str(path)) from None
+    if b"\x00" in raw:
+        raise InputError(f"{what} is binary, not text", file=str(path))
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{what} is not UTF-8 text (byte {exc.start})", file=str(path)) from None
+
+
+def load_yaml_mapping(path: str | Path, what: str = "YAML file") -> dict[str, Any]:
+    """Parse ``path`` as a YAML mapping; syntax errors, empty files and non-mappings exit 2."""
+    text = read_text(path, what)
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - SafeLoader subclass
+    except InputError as exc:
+        raise exc.with_file(str(path)) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"YAML syntax error{where}: {problem}", file=str(path)) from None
+    if data is None:
+        raise InputError(f"{what} is empty", file=str(path))
+    if not isinstance(data, dict):
+        raise InputError(
+            f"expected a mapping of keys at the top level, got {type(data).__name__}", file=str(path)
+        )
+    for key in data:
+        if not isinstance(key, str):
+            raise InputError(f"keys must be strings, got {key!r}", file=str(path))
+    return data
+
+
+def _sub_model(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel class inside ``annotation`` (unwrapping Optional / Union), if any."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        for arg in typing.get_args(annotation):
+            found = _sub_model(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _model_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
+    """Walk ``loc`` (field names) from ``cls`` to the model that holds the last element."""
+    current: type[BaseModel] | None = cls
+    for part in loc:
+        if current is None or not isinstance(part, str) or part not in current.model_fields:
+            return current if current is not None and part == loc[-1] else None
+        current = _sub_model(current.model_fields[part].annotation)
+    return current
+
+
+_FIELD_TAG = re.compile(r"^\[([A-Za-z_][\w.]*)\] (.*)$", re.S)
+
+
+def field_error(field: str, message: str) -> ValueError:
+    """A ValueError for a model validator that names ``field`` (shown as ``section.field``)."""
+    return ValueError(f"[{field}] {message}")
+
+
+def _loc_path(loc: tuple) -> str:
+    parts = [str(p) for p in loc if not (isinstance(p, str) and ("[" in p or p.startswith("function-")))]
+    return ".".join(parts)
+
+
+def validation_to_input_error(exc: ValidationError, cls: type[BaseModel], file: str | None) -> InputError:
+    """Turn the first few pydantic errors into one :class:`InputError` that names every field."""
+    messages = []
+    first_field = None
+    for err in exc.errors(include_url=False)[:5]:
+        loc = tuple(err["loc"])
+        path = _loc_path(loc) or "(top level)"
+        first_field = first_field or path
+        if err["type"] == "extra_forbidden":
+            parent = _model_at(cls, loc[:-1]) if len(loc) > 1 else cls
+            allowed = sorted(parent.model_fields) if parent is not None else []
+            hint = did_you_mean(str(loc[-1]), allowed)
+            messages.append(f"{path}: unknown key{hint}; allowed keys: {', '.join(allowed)}")
+        elif err["type"] == "missing":
+            messages.append(f"{path}: required field is missing")
+        else:
+            msg = err["msg"]
+            if msg.startswith("Value error, "):
+                msg = msg[len("Value error, ") :]
+            tagged = _FIELD_TAG.match(msg)
+            if tagged:  # a cross-field check that names its field: "[top_k] ..."
+                path = ".".join(p for p in (_loc_path(loc), tagged.group(1)) if p)
+                msg = tagged.group(2)
+                first_field = first_field or path
+            got = err.get("input")
+            shown = "" if isinstance(got, dict | list) or got is None else f" (got {got!r})"
+            messages.append(f"{path}: {msg}{shown}")
+    extra = len(exc.errors()) - len(messages)
+    text = "; ".join(messages) + (f"; and {extra} more error(s)" if extra > 0 else "")
+    return InputError(text, file=file)
+
+
+def validate_model(cls: type[M], data: dict[str, Any], file: str | None) -> M:
+    """``cls.model_validate(data)`` with errors as :class:`InputError`."""
+    try:
+        return cls.model_validate(data)
+    except ValidationError as exc:
+        raise validation_to_input_error(exc, cls, file) from None
