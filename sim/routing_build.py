@@ -29,6 +29,8 @@ from sim.trace import load_trace
 #: Pool tokens shared out over the distinct layer distributions, and the floor per distribution.
 POOL_TOKENS = 65536
 MIN_POOL_TOKENS = 4096
+#: Sequence types (latent preferences) a pool holds when tokens of a sequence are correlated.
+MAX_TYPES = 256
 #: Tokens the aux-free balancing steps route per update.
 BALANCE_POOL_TOKENS = 8192
 
@@ -63,7 +65,7 @@ class _Setup:
         self.group_of_layer = popularity_layer_groups(self.r, self.layers)
         n_groups = int(self.group_of_layer.max()) + 1
         self.pool_size = max(MIN_POOL_TOKENS, pool_tokens // n_groups)
-        self.types = max(8, min(64, self.pool_size // 512)) if self.rho > 0 else 1
+        self.types = min(MAX_TYPES, max(8, self.pool_size // 64)) if self.rho > 0 else 1
         self.pool_size -= self.pool_size % self.types
         self.first_layer = [int(np.flatnonzero(self.group_of_layer == g)[0]) for g in range(n_groups)]
         self.bias: list[np.ndarray | None] = [None] * n_groups

@@ -110,6 +110,15 @@ def round_counts(
     return assigned, rank_tokens, node_tokens
 
 
+def survive(distinct: np.ndarray, copies: np.ndarray, kept_copies: np.ndarray) -> np.ndarray:
+    """Distinct tokens of a destination left after drops: a token with c copies there loses all of
+    them with probability d^c, d the destination's copy drop rate and c its mean copies per token
+    (copies dropped independently: an approximation, token sets are not kept in the pooled path)."""
+    drop = 1.0 - kept_copies / np.maximum(copies, 1)
+    per_token = copies / np.maximum(distinct, 1)
+    return np.rint(distinct * (1.0 - drop**per_token)).astype(np.int64)
+
+
 def cap_counts(
     assigned: np.ndarray,
     rank_tokens: np.ndarray,
@@ -121,18 +130,14 @@ def cap_counts(
     top_k: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Counts after capacity: every expert keeps min(assigned, C) copies (exact for DeepSpeed's
-    orders); distinct tokens per rank / node slot shrink with the kept share of their copies (an
-    approximation: which copies are dropped is not known without per-token sampling)."""
+    orders); distinct tokens per rank and node slot follow :func:`survive`."""
     cells = assigned.shape[0]
     ep, epr = layout.ep, layout.experts_per_rank
     kept = np.minimum(assigned, capacity)
     copies = assigned.reshape(cells, ep, epr).sum(axis=2)
     kept_copies = kept.reshape(cells, ep, epr).sum(axis=2)
-    share = kept_copies / np.maximum(copies, 1)
     low = -(-kept_copies // min(top_k, epr))
-    rank_kept = np.clip(
-        np.rint(rank_tokens * share).astype(np.int64), low, np.minimum(kept_copies, rank_tokens)
-    )
+    rank_kept = np.clip(survive(rank_tokens, copies, kept_copies), low, np.minimum(kept_copies, rank_tokens))
     node_kept = np.zeros_like(node_tokens)
     for p, slots in enumerate(cols.patterns):
         sel = np.flatnonzero(pattern_of_cell == p)
@@ -140,14 +145,12 @@ def cap_counts(
             continue
         n = int(slots.max()) + 1
         starts = np.searchsorted(slots, np.arange(n))
-        slot_share = np.add.reduceat(kept_copies[sel], starts, axis=1) / np.maximum(
-            np.add.reduceat(copies[sel], starts, axis=1), 1
-        )
+        slot_copies = np.add.reduceat(copies[sel], starts, axis=1)
+        slot_kept = np.add.reduceat(kept_copies[sel], starts, axis=1)
         floor = np.maximum.reduceat(rank_kept[sel], starts, axis=1)
         upper = np.minimum(node_tokens[sel, :n], np.add.reduceat(rank_kept[sel], starts, axis=1))
-        scaled = np.rint(node_tokens[sel, :n] * slot_share).astype(np.int64)
-        node_kept[sel, :n] = np.clip(scaled, floor, upper)
+        node_kept[sel, :n] = np.clip(survive(node_tokens[sel, :n], slot_copies, slot_kept), floor, upper)
     return kept, rank_kept, node_kept
 
 
-__all__ = ["PoolMoments", "cap_counts", "gaussian_features", "pool_moments", "round_counts"]
+__all__ = ["PoolMoments", "cap_counts", "survive", "gaussian_features", "pool_moments", "round_counts"]
