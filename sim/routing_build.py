@@ -110,7 +110,9 @@ def build_pooled(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = P
     st = _Setup(scenario, policy, pool_tokens)
     lay, cols, k, s_tok = st.layout, st.cols, st.model.top_k, st.tokens
     routed = [st.route_pool(g) for g in range(len(st.logits))]
-    moments = [pool_moments(token_features(rt.chosen, lay, cols), st.types) for rt in routed]
+    features = [token_features(rt.chosen, lay, cols) for rt in routed]
+    moments = [pool_moments(f, st.types) for f in features]
+    max_nodes = [_max_nodes(f, cols) for f in features]
     ranks = np.arange(lay.world)
     pattern_of_cell = np.tile(cols.pattern_of_group[ranks // lay.ep], st.micro)
     cells = st.micro * lay.world
@@ -128,12 +130,22 @@ def build_pooled(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = P
             type_counts = np.zeros((cells, st.types))
             np.add.at(type_counts, (np.repeat(np.arange(cells), seqs), draws.ravel()), 1.0)
         x = gaussian_features(moments[g], noise, s_tok, st.seq_len, type_counts)
-        counts = round_counts(x, lay, cols, pattern_of_cell, s_tok, k)
+        counts = round_counts(x, lay, cols, pattern_of_cell, s_tok, k, max_nodes[g])
         kept = counts if cap is None else cap_counts(*counts, lay, cols, pattern_of_cell, cap, k)
         for arr, value in zip(out, (counts[0], *kept), strict=True):
             arr[layer] = value.reshape(st.micro, lay.world, -1)
     retained = np.array([routed[g].kept_mass / routed[g].topk_mass for g in st.group_of_layer])
     return PlanArrays(*out, retained, routed[0].chosen, st.balancing)
+
+
+def _max_nodes(features: np.ndarray, cols: FeatureColumns) -> np.ndarray:
+    """Per node pattern, the most node slots any pool token reached."""
+    return np.array(
+        [
+            features[:, cols.node_offset(p) : cols.node_offset(p) + int(n)].sum(axis=1).max()
+            for p, n in enumerate(cols.slots)
+        ]
+    )
 
 
 def build_from_trace(scenario: Scenario, policy: RoutingPolicy) -> PlanArrays:

@@ -80,10 +80,12 @@ def round_counts(
     pattern_of_cell: np.ndarray,
     tokens: int,
     top_k: int,
+    max_nodes: np.ndarray,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Integer counts from summed features: (cells, E) expert copies summing to tokens*k,
     (cells, ep) distinct tokens per EP-local rank and (cells, max_slots) per node slot, each clipped
-    to the range the per-token constraints allow."""
+    to the range the per-token constraints allow; ``max_nodes[p]`` (the most node slots of pattern
+    p one pool token reached: M for a binding node limit) caps the nodes summed over slots."""
     cells = x.shape[0]
     e, ep, epr = layout.num_experts, layout.ep, layout.experts_per_rank
     rows = np.arange(cells)
@@ -106,7 +108,10 @@ def round_counts(
         slot_experts = np.diff(np.append(starts, ep)) * epr
         copy_floor = -(-np.add.reduceat(copies[sel], starts, axis=1) // np.minimum(top_k, slot_experts))
         raw = np.rint(x[sel, cols.node_offset(p) : cols.node_offset(p) + n]).astype(np.int64)
-        node_tokens[sel, :n] = np.clip(raw, np.maximum(floor, copy_floor), np.minimum(per_slot, tokens))
+        nodes = np.clip(raw, np.maximum(floor, copy_floor), np.minimum(per_slot, tokens))
+        excess = np.maximum(nodes.sum(axis=1) - tokens * int(max_nodes[p]), 0)
+        nodes[np.arange(sel.size), nodes.argmax(axis=1)] -= excess
+        node_tokens[sel, :n] = nodes
     return assigned, rank_tokens, node_tokens
 
 
