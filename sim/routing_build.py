@@ -31,6 +31,8 @@ POOL_TOKENS = 65536
 MIN_POOL_TOKENS = 4096
 #: Sequence types (latent preferences) a pool holds when tokens of a sequence are correlated.
 MAX_TYPES = 256
+#: Pool tokens the retained gate mass is measured on (a ratio of sums: 16k tokens pin it to ~1e-3).
+MASS_TOKENS = 16384
 #: Tokens the aux-free balancing steps route per update.
 BALANCE_POOL_TOKENS = 8192
 
@@ -91,7 +93,12 @@ class _Setup:
 
     def route_pool(self, g: int):
         return route_tokens(
-            self.logits[g], self.model.top_k, self.model.score_function, self.policy, self.bias[g]
+            self.logits[g],
+            self.model.top_k,
+            self.model.score_function,
+            self.policy,
+            self.bias[g],
+            MASS_TOKENS,
         )
 
     def capacity(self) -> int | None:

@@ -33,14 +33,18 @@ def route_tokens(
     score_function: str,
     policy: RoutingPolicy,
     bias: np.ndarray | None = None,
+    mass_tokens: int | None = None,
 ) -> RoutedTokens:
-    """Score and route every token exactly; retained mass compares unbiased scores to plain top-k."""
+    """Score and route every token exactly. Retained mass compares the chosen experts' unbiased
+    scores with plain top-k, over the first ``mass_tokens`` tokens (all when None)."""
     scores = gate_scores(logits, score_function)
     chosen = select_experts(scores, top_k, policy, bias)
     gate = np.take_along_axis(scores, chosen, axis=-1)
-    kept_mass = float(gate.sum(dtype=np.float64))
-    best = kept_mass if policy.name == "topk" and bias is None else float(topk_mass(scores, top_k).sum())
-    return RoutedTokens(chosen, gate, kept_mass, best)
+    part = slice(None, mass_tokens)
+    kept_mass = float(gate[part].sum(dtype=np.float64))
+    if policy.name == "topk" and bias is None:
+        return RoutedTokens(chosen, gate, kept_mass, kept_mass)
+    return RoutedTokens(chosen, gate, kept_mass, float(topk_mass(scores[part], top_k).sum()))
 
 
 @dataclass(frozen=True)
