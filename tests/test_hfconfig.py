@@ -1,0 +1,234 @@
+"""HF config.json import: every supported family maps to the right ModelConfig fields; bad files exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import ROOT
+
+from sim.errors import InputError
+from sim.hfconfig import SUPPORTED_MODEL_TYPES, model_fields_from_hf
+from sim.scenario import ModelConfig, load_scenario
+
+HF = ROOT / "tests" / "data" / "hf"
+
+
+def model(name: str) -> ModelConfig:
+    return ModelConfig(**model_fields_from_hf(HF / name / "config.json"))
+
+
+def write_config(tmp_path: Path, data: dict | str, name: str = "config.json") -> Path:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+def test_every_shipped_config_has_its_source_noted():
+    folders = sorted(p for p in HF.iterdir() if p.is_dir())
+    assert len(folders) >= 8
+    for folder in folders:
+        assert (folder / "config.json").is_file(), folder
+        assert len((folder / "SOURCE.txt").read_text().strip()) > 80, folder
+
+
+def test_mixtral():
+    m = model("Mixtral-8x7B-v0.1")
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.kv_heads) == (32, 4096, 32, 8)
+    assert (m.num_experts, m.top_k, m.moe_ffn_hidden_size) == (8, 2, 14336)
+    assert m.ffn_type == "gated" and m.num_shared_experts == 0 and m.num_moe_layers == 32
+    assert (m.score_function, m.norm_topk_prob, m.tie_word_embeddings) == ("softmax", True, False)
+
+
+def test_qwen2_moe_shared_expert_with_gate_and_qkv_bias():
+    m = model("Qwen1.5-MoE-A2.7B")
+    assert (m.num_experts, m.top_k, m.moe_ffn_hidden_size) == (60, 4, 1408)
+    assert (m.num_shared_experts, m.shared_expert_ffn_hidden_size, m.shared_expert_gate) == (1, 5632, True)
+    assert m.attention_bias and not m.norm_topk_prob and m.num_moe_layers == 24
+
+
+def test_qwen3_moe_head_dim_and_gqa():
+    m = model("Qwen3-30B-A3B")
+    assert (m.num_layers, m.hidden_size, m.head_size, m.kv_heads) == (48, 2048, 128, 4)
+    assert (m.num_experts, m.top_k, m.moe_ffn_hidden_size, m.norm_topk_prob) == (128, 8, 768, True)
+    assert not m.attention_bias and m.num_moe_layers == 48
+
+
+def test_deepseek_v3_mla_shared_dense_mtp_sigmoid():
+    m = model("DeepSeek-V3")
+    assert m.attention == "mla"
+    assert (m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (
+        1536,
+        512,
+        128,
+        64,
+        128,
+    )
+    assert (m.num_experts, m.top_k, m.num_shared_experts, m.shared_expert_ffn_hidden_size) == (
+        256,
+        8,
+        1,
+        2048,
+    )
+    assert (m.first_dense_layers, m.ffn_hidden_size, m.num_moe_layers) == (3, 18432, 58)
+    assert (m.mtp_layers, m.score_function, m.router_bias, m.norm_topk_prob) == (1, "sigmoid", True, True)
+
+
+def test_deepseek_v2_lite_full_rank_q_and_no_mtp():
+    m = model("DeepSeek-V2-Lite")
+    assert m.attention == "mla" and m.q_lora_rank is None and m.kv_lora_rank == 512
+    assert (m.num_experts, m.top_k, m.num_shared_experts, m.first_dense_layers) == (64, 6, 2, 1)
+    assert (m.mtp_layers, m.score_function, m.router_bias) == (0, "softmax", False)
+
+
+def test_olmoe_and_granitemoe():
+    olmoe = model("OLMoE-1B-7B-0924")
+    assert (olmoe.num_experts, olmoe.top_k, olmoe.moe_ffn_hidden_size, olmoe.norm_topk_prob) == (
+        64,
+        8,
+        1024,
+        False,
+    )
+    granite = model("granite-3.0-1b-a400m-base")
+    assert (granite.num_experts, granite.top_k, granite.moe_ffn_hidden_size) == (32, 8, 512)
+    assert granite.tie_word_embeddings and granite.kv_heads == 8
+
+
+def test_dense_llama_is_one_expert():
+    m = model("Llama-3.1-8B")
+    assert (m.num_experts, m.top_k, m.ffn_hidden_size, m.num_moe_layers, m.is_moe) == (1, 1, 14336, 0, False)
+    assert m.kv_heads == 8 and m.vocab_size == 128256
+
+
+def test_name_comes_from_the_folder_without_name_or_path():
+    assert model("Qwen3-30B-A3B").name == "Qwen3-30B-A3B"
+
+
+def test_qwen_sparse_step_places_moe_layers_where_hf_does(tmp_path):
+    data = json.loads((HF / "Qwen1.5-MoE-A2.7B" / "config.json").read_text())
+    data["decoder_sparse_step"] = 3
+    m = ModelConfig(**model_fields_from_hf(write_config(tmp_path, data)))
+    hf_rule = [(i + 1) % 3 == 0 for i in range(data["num_hidden_layers"])]  # Qwen2MoeDecoderLayer
+    assert [m.is_moe_layer(i) for i in range(m.num_layers)] == hf_rule
+
+
+def test_qwen_leading_mlp_only_layers_become_dense(tmp_path):
+    data = json.loads((HF / "Qwen3-30B-A3B" / "config.json").read_text())
+    data["mlp_only_layers"] = [0, 1]
+    m = ModelConfig(**model_fields_from_hf(write_config(tmp_path, data)))
+    assert m.first_dense_layers == 2 and m.num_moe_layers == 46 and m.ffn_hidden_size == 6144
+
+
+def test_scenario_with_hf_config_and_inline_override(tmp_path):
+    scenario = yaml.safe_load((ROOT / "scenarios" / "128gpu.yaml").read_text())
+    scenario["model"] = {"hf_config": str(HF / "Qwen3-30B-A3B" / "config.json"), "num_layers": 24}
+    path = tmp_path / "s.yaml"
+    path.write_text(yaml.safe_dump(scenario))
+    s = load_scenario(path)
+    assert (s.model.num_layers, s.model.num_experts, s.model.moe_ffn_hidden_size) == (24, 128, 768)
+
+
+@pytest.mark.parametrize(
+    ("content", "field", "words"),
+    [
+        (
+            {"model_type": "gpt2", "n_layer": 2},
+            "model_type",
+            ["unsupported", "'gpt2'", "mixtral", "deepseek_v3"],
+        ),
+        ({"hidden_size": 8}, "model_type", ["missing", "qwen3_moe"]),
+        (
+            {"model_type": "mixtral", "hidden_size": 8, "num_attention_heads": 2},
+            "num_hidden_layers",
+            ["missing"],
+        ),
+        (
+            {"model_type": "llama", "num_hidden_layers": "two", "num_attention_heads": 2},
+            "num_hidden_layers",
+            ["integer", "'two'"],
+        ),
+        (
+            {"model_type": "llama", "num_hidden_layers": 0, "num_attention_heads": 2},
+            "num_hidden_layers",
+            [">= 1"],
+        ),
+        (
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 2,
+                "hidden_size": 8,
+                "num_attention_heads": 2,
+                "vocab_size": 9,
+                "intermediate_size": 4,
+                "tie_word_embeddings": "yes",
+            },
+            "tie_word_embeddings",
+            ["true or false"],
+        ),
+    ],
+)
+def test_bad_keys_name_file_and_key(tmp_path, content, field, words):
+    path = write_config(tmp_path, content)
+    with pytest.raises(InputError) as err:
+        model_fields_from_hf(path)
+    assert err.value.file == str(path) and err.value.field == field
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_unsupported_message_lists_all_supported(tmp_path):
+    with pytest.raises(InputError) as err:
+        model_fields_from_hf(write_config(tmp_path, {"model_type": "bert"}))
+    for model_type in SUPPORTED_MODEL_TYPES:
+        assert model_type in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ("", ["empty"]),
+        ("   \n", ["empty"]),
+        ('{"model_type": "mixtral",', ["not valid JSON", "line 1"]),
+        ("[1, 2]", ["JSON object", "list"]),
+        (b"\x00\x01binary", ["binary"]),
+    ],
+)
+def test_bad_files(tmp_path, content, words):
+    path = tmp_path / "config.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    with pytest.raises(InputError) as err:
+        model_fields_from_hf(path)
+    assert err.value.file == str(path)
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(InputError, match="not found"):
+        model_fields_from_hf(tmp_path / "nope.json")
+
+
+def test_unrepresentable_layer_placement_is_refused(tmp_path):
+    data = json.loads((HF / "DeepSeek-V2-Lite" / "config.json").read_text())
+    data["moe_layer_freq"] = 2  # first_k_dense_replace = 1: HF puts MoE at even i >= 1
+    with pytest.raises(InputError) as err:
+        model_fields_from_hf(write_config(tmp_path, data))
+    assert err.value.field == "moe_layer_freq"
+    data = json.loads((HF / "Qwen3-30B-A3B" / "config.json").read_text())
+    data["mlp_only_layers"] = [3, 7]
+    with pytest.raises(InputError) as err:
+        model_fields_from_hf(write_config(tmp_path, data))
+    assert err.value.field == "mlp_only_layers"
+
+
+def test_unknown_scoring_func_is_refused(tmp_path):
+    data = json.loads((HF / "DeepSeek-V3" / "config.json").read_text())
+    data["scoring_func"] = "sinkhorn"
+    with pytest.raises(InputError) as err:
+        model_fields_from_hf(write_config(tmp_path, data))
+    assert err.value.field == "scoring_func" and "softmax, sigmoid" in str(err.value)
