@@ -126,29 +126,36 @@ class RoutingPlan:
         stats = layer_statistics(
             a.assigned, a.kept, a.rank_tokens, a.node_tokens, self.layout, self.cols, self.tokens_per_rank
         )
-        stats["retained_gate_mass"] = (
-            a.retained_gate_mass if a.retained_gate_mass is not None else np.full(self.num_moe_layers, np.nan)
-        )
+        missing = np.full(self.num_moe_layers, np.nan)
+        stats["retained_gate_mass"] = a.retained_gate_mass if a.retained_gate_mass is not None else missing
+        stats["mean_routing_weight_sum"] = a.mean_weight_sum if a.mean_weight_sum is not None else missing
         return stats
 
-    def a2a_bytes(self) -> tuple[float, float]:
-        """Dispatch bytes per MoE layer and micro-batch summed over ranks (off the source rank), and
-        the part crossing nodes; means over layers and micro-batches."""
-        total = inter = 0.0
+    def a2a_bytes(self) -> tuple[float, float, float | None]:
+        """Dispatch bytes per MoE layer and micro-batch summed over ranks (off the source rank), the
+        part crossing nodes, and the inter-node part when each token crosses once per destination node
+        (hierarchical all-to-all, dropless only); means over layers and micro-batches."""
         elem = self.hidden_size * self.bytes_per_elem
         local, same_node = locality_masks(self.layout, self.cols)
+        cells = self.num_moe_layers * self.micro_batches
+        dedup = None
         if self.padded is None:
             copies = rank_copies(self.kept, self.layout)
             total = float((copies * ~local).sum()) * elem
             inter = float((copies * ~same_node).sum()) * elem
+            nodes = self.arrays.node_tokens.sum(axis=(0, 1), dtype=np.int64)  # (world, slots)
+            ranks = np.arange(self.layout.world)
+            own = self.cols.patterns[
+                self.cols.pattern_of_group[ranks // self.layout.ep], ranks % self.layout.ep
+            ]
+            dedup = float(nodes.sum() - nodes[ranks, own].sum()) * elem / cells
         else:
             g = self.layout.num_ep_groups
             remote = (~local).reshape(g, -1).sum(axis=1)
             cross = (~same_node).reshape(g, -1).sum(axis=1)
             chunk = self.padded.astype(np.float64) * self.layout.experts_per_rank * elem
             total, inter = float((chunk * remote).sum()), float((chunk * cross).sum())
-        cells = self.num_moe_layers * self.micro_batches
-        return total / cells, inter / cells
+        return total / cells, inter / cells, dedup
 
     def summary(self) -> dict[str, Any]:
         """JSON-friendly statistics: whole-run values and the same per layer."""
@@ -156,7 +163,7 @@ class RoutingPlan:
         copies = st["copies"]
         whole = copies.sum() or 1.0
         kept, assigned = st["kept_copies"].sum(), st["assigned_copies"].sum()
-        a2a, inter_bytes = self.a2a_bytes()
+        a2a, inter_bytes, dedup_bytes = self.a2a_bytes()
         rgm = st["retained_gate_mass"]
         summary = {
             "local_fraction": float((st["local_fraction"] * copies).sum() / whole),
@@ -172,6 +179,10 @@ class RoutingPlan:
             "padded_capacity_mean": None if self.padded is None else float(self.padded.mean()),
             "dispatch_bytes_per_layer": a2a,
             "inter_node_dispatch_bytes_per_layer": inter_bytes,
+            "inter_node_dedup_bytes_per_layer": dedup_bytes,
+            "mean_routing_weight_sum": None
+            if np.isnan(st["mean_routing_weight_sum"]).any()
+            else float(st["mean_routing_weight_sum"].mean()),
         }
         keys = [k for k in st if k not in ("copies", "kept_copies", "assigned_copies")]
         per_layer = [

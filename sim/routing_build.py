@@ -22,7 +22,7 @@ from sim.routing_balance import aux_free_bias
 from sim.routing_capacity import deepspeed_capacity, drop_order, keep_mask
 from sim.routing_policy import ExpertLayout, RoutingPolicy
 from sim.routing_pool import cap_counts, gaussian_features, pool_moments, round_counts
-from sim.routing_tokens import FeatureColumns, aggregate_batches, route_tokens, token_features
+from sim.routing_tokens import FeatureColumns, RoutedTokens, aggregate_batches, route_tokens, token_features
 from sim.scenario import Scenario
 from sim.trace import load_trace
 
@@ -46,6 +46,7 @@ class PlanArrays:
     rank_tokens: np.ndarray
     node_tokens: np.ndarray
     retained_gate_mass: np.ndarray | None
+    mean_weight_sum: np.ndarray | None
     sample_chosen: np.ndarray | None
     balancing: list[float] | None
 
@@ -91,14 +92,10 @@ class _Setup:
         )
         return sample_logits(rng, self.mu[self.first_layer[g]], self.pool_size, per_type, latent, self.rho)
 
-    def route_pool(self, g: int):
+    def route_pool(self, g: int) -> RoutedTokens:
+        """Route distribution g's pool exactly (with its balancing bias)."""
         return route_tokens(
-            self.logits[g],
-            self.model.top_k,
-            self.model.score_function,
-            self.policy,
-            self.bias[g],
-            MASS_TOKENS,
+            self.logits[g], self.model, self.r.route_scale, self.policy, self.bias[g], MASS_TOKENS
         )
 
     def capacity(self) -> int | None:
@@ -142,7 +139,8 @@ def build_pooled(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = P
         for arr, value in zip(out, (counts[0], *kept), strict=True):
             arr[layer] = value.reshape(st.micro, lay.world, -1)
     retained = np.array([routed[g].kept_mass / routed[g].topk_mass for g in st.group_of_layer])
-    return PlanArrays(*out, retained, routed[0].chosen, st.balancing)
+    weight_sum = np.array([routed[g].mean_weight_sum for g in st.group_of_layer])
+    return PlanArrays(*out, retained, weight_sum, routed[0].chosen, st.balancing)
 
 
 def _max_nodes(features: np.ndarray, cols: FeatureColumns) -> np.ndarray:
@@ -198,7 +196,7 @@ def build_from_trace(scenario: Scenario, policy: RoutingPolicy) -> PlanArrays:
     assigned = trace.assigned[step, :micro].swapaxes(0, 1).astype(np.int32)
     kept = trace.kept[step, :micro].swapaxes(0, 1).astype(np.int32)
     rank_tokens, node_tokens = estimate_distinct(kept, layout, cols, scenario.tokens_per_micro_batch, m.top_k)
-    return PlanArrays(assigned, kept, rank_tokens, node_tokens, None, None, None)
+    return PlanArrays(assigned, kept, rank_tokens, node_tokens, None, None, None, None)
 
 
 def estimate_distinct(
@@ -234,7 +232,7 @@ def build_exact(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = PO
     cap = st.capacity()
     order = drop_order(k, st.r.drop_policy)
     out = [st.empty(e), st.empty(e), st.empty(lay.ep), st.empty(cols.max_slots)]
-    mass = np.zeros((st.layers, 2))
+    mass = np.zeros((st.layers, 3))
     for layer in range(st.layers):
         g = int(st.group_of_layer[layer])
         for mb in range(st.micro):
@@ -242,7 +240,7 @@ def build_exact(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = PO
             n_seq = w * scenario.training.micro_batch_size
             latent = rng.standard_normal((n_seq, e), dtype=np.float32) if st.rho > 0 else None
             logits = sample_logits(rng, st.mu[layer], w * s_tok, st.seq_len, latent, st.rho)
-            rt = route_tokens(logits, k, st.model.score_function, policy, st.bias[g])
+            rt = route_tokens(logits, st.model, st.r.route_scale, policy, st.bias[g])
             chosen = rt.chosen.reshape(w, s_tok, k)
             if cap is None:
                 kept = np.ones(chosen.shape, dtype=bool)
@@ -251,8 +249,9 @@ def build_exact(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = PO
                 kept = keep_mask(chosen, rt.gate.reshape(w, s_tok, k), e, cap, order, drop_rng)
             for arr, value in zip(out, aggregate_batches(chosen, kept, lay, cols), strict=True):
                 arr[layer, mb] = value
-            mass[layer] += (rt.kept_mass, rt.topk_mass)
-    return PlanArrays(*out, mass[:, 0] / mass[:, 1], st.route_pool(0).chosen, st.balancing)
+            mass[layer] += (rt.kept_mass, rt.topk_mass, rt.mean_weight_sum / st.micro)
+    retained, weight_sum = mass[:, 0] / mass[:, 1], mass[:, 2]
+    return PlanArrays(*out, retained, weight_sum, st.route_pool(0).chosen, st.balancing)
 
 
 __all__ = [

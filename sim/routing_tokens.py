@@ -13,38 +13,45 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from sim.gates import gate_scores
+from sim.gates import combine_weights, gate_scores
 from sim.routing_policy import ExpertLayout, RoutingPolicy, select_experts, topk_mass
+from sim.scenario import ModelConfig
 
 
 @dataclass
 class RoutedTokens:
-    """Chosen experts (tokens, k), their raw gate scores, and the retained-mass numerator/denominator."""
+    """Chosen experts (tokens, k) and their raw gate scores; over the measured tokens, the retained
+    mass numerator/denominator and the mean sum of final routing weights."""
 
     chosen: np.ndarray
     gate: np.ndarray
     kept_mass: float
     topk_mass: float
+    mean_weight_sum: float
 
 
 def route_tokens(
     logits: np.ndarray,
-    top_k: int,
-    score_function: str,
+    model: ModelConfig,
+    route_scale: float,
     policy: RoutingPolicy,
     bias: np.ndarray | None = None,
     mass_tokens: int | None = None,
 ) -> RoutedTokens:
     """Score and route every token exactly. Retained mass compares the chosen experts' unbiased
-    scores with plain top-k, over the first ``mass_tokens`` tokens (all when None)."""
-    scores = gate_scores(logits, score_function)
-    chosen = select_experts(scores, top_k, policy, bias)
+    scores with plain top-k, over the first ``mass_tokens`` tokens (all when None); routing weights
+    follow ``model.norm_topk_prob`` and ``route_scale``."""
+    scores = gate_scores(logits, model.score_function)
+    chosen = select_experts(scores, model.top_k, policy, bias)
     gate = np.take_along_axis(scores, chosen, axis=-1)
     part = slice(None, mass_tokens)
     kept_mass = float(gate[part].sum(dtype=np.float64))
+    weights = combine_weights(scores[part], chosen[part], model.norm_topk_prob, route_scale)
+    weight_sum = float(weights.sum(axis=1).mean())
     if policy.name == "topk" and bias is None:
-        return RoutedTokens(chosen, gate, kept_mass, kept_mass)
-    return RoutedTokens(chosen, gate, kept_mass, float(topk_mass(scores[part], top_k).sum()))
+        return RoutedTokens(chosen, gate, kept_mass, kept_mass, weight_sum)
+    best = float(topk_mass(scores[part], model.top_k).sum())
+    return RoutedTokens(chosen, gate, kept_mass, best, weight_sum)
 
 
 @dataclass(frozen=True)

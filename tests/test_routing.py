@@ -184,6 +184,24 @@ def test_counts_are_conserved(method):
         assert (nodes.sum(axis=1) <= tokens).all()  # M=1: each token reaches at most one node
 
 
+def test_inter_node_bytes_once_per_node_and_routing_weights():
+    """node_limited:M=1 sends each token to one node: the deduplicated inter-node bytes are the
+    distinct tokens that leave their node (hidden 64 x 2 bytes)."""
+    s = scen(nodes=4, gpn=2, ep=8, generator="skewed", skew=0.5)
+    plan = route_scenario(s, "node_limited:M=1", method="exact")
+    st = plan.summary()["summary"]
+    assert st["mean_nodes_per_token"] == 1.0
+    off_node_tokens = st["inter_node_fraction"] * 8 * 128  # per layer and micro-batch: 8 ranks x 128 tokens
+    assert st["inter_node_dedup_bytes_per_layer"] == pytest.approx(off_node_tokens * 64 * 2)
+    assert st["inter_node_dedup_bytes_per_layer"] < 0.5 * st["inter_node_dispatch_bytes_per_layer"]
+    assert st["mean_routing_weight_sum"] == pytest.approx(1.0)
+    v3 = scen(model={"score_function": "sigmoid", "norm_topk_prob": True}, route_scale=2.5)
+    assert route_scenario(v3).summary()["summary"]["mean_routing_weight_sum"] == pytest.approx(2.5)
+    raw = scen(model={"norm_topk_prob": False}, generator="uniform")
+    weight = route_scenario(raw).summary()["summary"]["mean_routing_weight_sum"]
+    assert 4 / 32 < weight < 1.0  # top-4 of 32 softmax probabilities, not renormalised
+
+
 def test_same_seed_same_result_other_seed_differs():
     s = scen(generator="skewed", skew=0.5, sequence_correlation=0.3, capacity_factor=1.0)
     a = dumps_json(route_scenario(s).summary())

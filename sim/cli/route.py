@@ -79,6 +79,10 @@ def _fmt(v: Any, pct: bool = False) -> str:
     return f"{v:.4g}" if isinstance(v, float) else str(v)
 
 
+def _gb(v: float | None) -> str:
+    return "n/a" if v is None else f"{v / 1e9:.4g}"
+
+
 def format_table(result: dict[str, Any], world: int, ep: int) -> str:
     s = result["summary"]
     lines = [
@@ -96,6 +100,8 @@ def format_table(result: dict[str, Any], world: int, ep: int) -> str:
         f"  {'capacity per rank (C)':<34} {_fmt(s['capacity_per_rank'])}",
         f"  {'dispatch GB per layer+micro-batch':<34} {_fmt(s['dispatch_bytes_per_layer'] / 1e9)}",
         f"  {'  of which inter-node GB':<34} {_fmt(s['inter_node_dispatch_bytes_per_layer'] / 1e9)}",
+        f"  {'  inter-node GB, once per node':<34} {_gb(s['inter_node_dedup_bytes_per_layer'])}",
+        f"  {'mean routing weight sum':<34} {_fmt(s['mean_routing_weight_sum'])}",
         "  touched experts per batch of n tokens (measured vs uniform E(1-(1-k/E)^n)), expert MB read per token:",
     ]
     for row in result["touched"]:
