@@ -29,9 +29,9 @@ class _Config:
         return InputError(message, file=self.file, field=key)
 
     def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
-        value = self.data.get(key, default)
-        if value is None:
-            if key in self.data or default is None:
+        value = self.data.get(key)
+        if value is None:  # absent or null: transformers falls back to the config class default
+            if default is None:
                 raise self.error(key, f"required key '{key}' is missing (or null)")
             value = default
         if isinstance(value, bool) or not isinstance(value, int):

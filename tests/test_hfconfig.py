@@ -102,6 +102,13 @@ def test_dense_llama_is_one_expert():
     assert m.kv_heads == 8 and m.vocab_size == 128256
 
 
+def test_null_optional_keys_take_the_transformers_default(tmp_path):
+    data = json.loads((HF / "Llama-3.1-8B" / "config.json").read_text())
+    data.update(num_key_value_heads=None, tie_word_embeddings=None, _name_or_path="meta-llama/x")
+    m = ModelConfig(**model_fields_from_hf(write_config(tmp_path, data)))
+    assert (m.kv_heads, m.tie_word_embeddings, m.name) == (32, False, "meta-llama/x")
+
+
 def test_name_comes_from_the_folder_without_name_or_path():
     assert model("Qwen3-30B-A3B").name == "Qwen3-30B-A3B"
 
