@@ -105,8 +105,16 @@ class _Setup:
             self.tokens, self.model.num_experts, self.model.top_k, self.r.capacity_factor, self.r.min_capacity
         )
 
-    def empty(self, width: int) -> np.ndarray:
-        return np.zeros((self.layers, self.micro, self.layout.world, width), dtype=np.int32)
+    def outputs(self) -> list[np.ndarray]:
+        """assigned, kept, rank_tokens, node_tokens arrays; without a capacity kept *is* assigned."""
+        lay = self.layout
+
+        def empty(width: int) -> np.ndarray:
+            return np.zeros((self.layers, self.micro, lay.world, width), dtype=np.int32)
+
+        assigned = empty(lay.num_experts)
+        kept = assigned if self.capacity() is None else empty(lay.num_experts)
+        return [assigned, kept, empty(lay.ep), empty(self.cols.max_slots)]
 
 
 def build_pooled(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = POOL_TOKENS) -> PlanArrays:
@@ -124,7 +132,7 @@ def build_pooled(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = P
     noise_rng = np.random.default_rng([st.r.seed, 13])
     type_rng = np.random.default_rng([st.r.seed, 17])
     cap = st.capacity()
-    out = [st.empty(lay.num_experts), st.empty(lay.num_experts), st.empty(lay.ep), st.empty(cols.max_slots)]
+    out = st.outputs()
     for layer in range(st.layers):
         g = int(st.group_of_layer[layer])
         noise = noise_rng.standard_normal((cells, cols.width), dtype=np.float32)
@@ -231,7 +239,7 @@ def build_exact(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = PO
     w = lay.world
     cap = st.capacity()
     order = drop_order(k, st.r.drop_policy)
-    out = [st.empty(e), st.empty(e), st.empty(lay.ep), st.empty(cols.max_slots)]
+    out = st.outputs()
     mass = np.zeros((st.layers, 3))
     for layer in range(st.layers):
         g = int(st.group_of_layer[layer])

@@ -7,7 +7,8 @@ the rank numbering (``rank // gpus_per_node``); a group's *node slots* number th
 Group-limited policies restrict each token to ``M`` groups of contiguous experts, then take the top
 k among them (Megatron-Core ``group_limited_topk``):
 - ``node_limited:M`` (DeepSeek-V3, arXiv 2412.19437, ``inference/model.py`` ``Gate``): a group is
-  the experts on one node of the EP group; group score = sum of its top ``k // M`` affinities.
+  the experts on one node of the EP group; group score = sum of its top ``k // M`` affinities
+  (V3 sums the top 2 = 8 // 4 biased scores; its bias-free branch uses the max instead).
 - ``device_limited:M`` (DeepSeek-V2, arXiv 2405.04434): a group is one EP rank's experts; group
   score = max affinity in it.
 """

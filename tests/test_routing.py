@@ -270,3 +270,16 @@ def test_bad_policy_override_is_input_error():
         route_scenario(s, "nodelimited:M=1")
     with pytest.raises(InputError, match="divide one another"):
         route_scenario(scen(nodes=3, gpn=4, ep=3, experts=12, k=2), "node_limited:M=1")
+
+
+def test_covariance_square_root_handles_singular_and_slightly_indefinite():
+    from sim.routing_pool import _sqrt_psd
+
+    v = np.random.default_rng(0).standard_normal((6, 3))
+    singular = v @ v.T  # rank 3
+    lower = _sqrt_psd(singular)
+    np.testing.assert_allclose(lower @ lower.T, singular, atol=1e-4)
+    w, q = np.linalg.eigh(singular)
+    w[0] = -1e-3  # float error can make a covariance slightly indefinite: Cholesky fails, eigh clips
+    root = _sqrt_psd((q * w) @ q.T)
+    np.testing.assert_allclose(root @ root.T, (q * np.clip(w, 0, None)) @ q.T, atol=1e-4)
