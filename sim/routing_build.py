@@ -1,7 +1,7 @@
 """The two ways of producing every (layer, micro-batch, rank) count: exact and pooled.
 
 - ``exact``: every token of every rank gets its own logits and is routed and capacity-dropped one
-  by one (DeepSpeed's order). Cost ~3 s per million tokens at E = 128: for small scenarios and as
+  by one (DeepSpeed's order). Cost 3-6 s per million tokens at E = 128 on 2 cores: for small scenarios and as
   the reference the pooled path is tested against.
 - ``pooled``: per distinct layer distribution, a pool of tokens is routed exactly and its feature
   moments drive one Gaussian draw per (layer, micro-batch, rank) (:mod:`sim.routing_pool`).
@@ -31,7 +31,7 @@ POOL_TOKENS = 65536
 MIN_POOL_TOKENS = 4096
 #: Sequence types (latent preferences) a pool holds when tokens of a sequence are correlated.
 MAX_TYPES = 256
-#: Pool tokens the retained gate mass is measured on (a ratio of sums: 16k tokens pin it to ~1e-3).
+#: Pool tokens (spread over the pool) the retained gate mass is measured on (a ratio of sums).
 MASS_TOKENS = 16384
 #: Tokens the aux-free balancing steps route per update.
 BALANCE_POOL_TOKENS = 8192
@@ -55,7 +55,7 @@ class _Setup:
     """What both paths share: shapes, popularity, per-distribution pools and balancing biases."""
 
     def __init__(self, scenario: Scenario, policy: RoutingPolicy, pool_tokens: int):
-        self.s, self.policy = scenario, policy
+        self.policy = policy
         self.r, self.model = scenario.routing, scenario.model
         self.layout = ExpertLayout.of(scenario)
         self.cols = FeatureColumns.of(self.layout)
@@ -77,7 +77,8 @@ class _Setup:
         afb = self.r.aux_free_balancing
         if afb.enabled:
             for g, logits in enumerate(self.logits):
-                scores = gate_scores(logits[:BALANCE_POOL_TOKENS], self.model.score_function)
+                stride = max(1, len(logits) // BALANCE_POOL_TOKENS)  # a spread over every sequence type
+                scores = gate_scores(logits[::stride], self.model.score_function)
                 self.bias[g], history = aux_free_bias(scores, self.model.top_k, policy, afb.gamma, afb.steps)
                 if g == 0:
                     self.balancing = history

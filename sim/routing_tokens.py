@@ -39,12 +39,12 @@ def route_tokens(
     mass_tokens: int | None = None,
 ) -> RoutedTokens:
     """Score and route every token exactly. Retained mass compares the chosen experts' unbiased
-    scores with plain top-k, over the first ``mass_tokens`` tokens (all when None); routing weights
-    follow ``model.norm_topk_prob`` and ``route_scale``."""
+    scores with plain top-k, over about ``mass_tokens`` evenly strided tokens (all when None);
+    routing weights follow ``model.norm_topk_prob`` and ``route_scale``."""
     scores = gate_scores(logits, model.score_function)
     chosen = select_experts(scores, model.top_k, policy, bias)
     gate = np.take_along_axis(scores, chosen, axis=-1)
-    part = slice(None, mass_tokens)
+    part = slice(None, None, max(1, len(logits) // mass_tokens) if mass_tokens else 1)
     kept_mass = float(gate[part].sum(dtype=np.float64))
     weights = combine_weights(scores[part], chosen[part], model.norm_topk_prob, route_scale)
     weight_sum = float(weights.sum(axis=1).mean())
