@@ -81,7 +81,10 @@ def test_plan_touched_uniform_matches_formula_and_skew_touches_fewer():
 )
 def test_pooled_path_agrees_with_exact_sampling(extra, rel_rank, rel_expert, rel_spread):
     """Imbalance, drops and traffic from the pooled Gaussian draw match per-token sampling of every
-    token (16 ranks on 4 nodes, 64 experts top-4, 512 tokens per rank, 32 layer x micro cells)."""
+    token (16 ranks on 4 nodes, 64 experts top-4, 512 tokens per rank, 32 layer x micro cells).
+    With sequence correlation the pool's 256 sequence types are a finite sample of latents: over
+    seeds the max/mean statistics then differ by up to ~8 % (benchmarks/results/routing.md), ~1 %
+    without; distinct tokens after drops use the independent-drop approximation (~5 % high)."""
     s = scen(
         nodes=4,
         gpn=4,
