@@ -1,0 +1,166 @@
+"""Cluster graph: device counts, per-GPU bandwidth, hop counts, PXN paths, bisection."""
+
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+import pytest
+
+from sim.cluster import (
+    bisection_closed_form_GBps,
+    bisection_GBps,
+    build_cluster,
+    cluster_for,
+)
+from sim.errors import InputError
+from sim.scenario import load_scenario
+from sim.topology import load_topology
+from tests.conftest import SCENARIOS
+
+
+@pytest.fixture(scope="module")
+def h100():
+    return load_topology("dgx-h100")
+
+
+def kinds(cluster):
+    return [d["kind"] for _, d in cluster.graph.nodes(data=True)]
+
+
+def test_device_counts(h100):
+    c = build_cluster(h100, 16)
+    k = kinds(c)
+    assert k.count("gpu") == 128
+    assert k.count("nic") == 128
+    assert k.count("nvswitch") == 16
+    assert k.count("host") == 16
+    assert k.count("leaf") == 8  # one leaf per rail: 16 nodes <= 32 per leaf
+    assert k.count("spine") == 1
+    # per GPU: 2 intra + 2 host + 2 NIC PCIe links; per NIC 2 fabric links; per leaf 2 uplinks
+    assert c.num_links == 128 * 6 + 128 * 2 + 8 * 2
+    big = build_cluster(h100, 70)
+    assert kinds(big).count("leaf") == 8 * 3  # ceil(70 / 32) leaves per rail
+
+
+def test_link_attributes_are_line_times_efficiency(h100):
+    c = build_cluster(h100, 2)
+    e = c.graph.edges["n0/gpu3", "n0/switch"]
+    assert e["bw_GBps"] == pytest.approx(450 * 0.82)
+    assert e["latency_us"] == 2.5 and e["kind"] == "intra"
+    nic = c.graph.edges["n1/nic5", "leaf/r5/0"]
+    assert nic["bw_GBps"] == pytest.approx(400 / 8 * 0.97)
+    assert c.link_bw_Bps[nic["index"]] == pytest.approx(nic["bw_GBps"] * 1e9)
+    assert c.link_kind[nic["index"]] == "nic_tx"
+
+
+def test_per_gpu_bandwidth(h100):
+    c = build_cluster(h100, 4)
+    for r in range(c.world_size):
+        out = [d for _, _, d in c.graph.out_edges(c.gpu_name(r), data=True)]
+        by_kind = {d["kind"]: d["bw_GBps"] for d in out}
+        assert by_kind["intra"] == pytest.approx(369.0)
+        assert by_kind["pcie_host"] == pytest.approx(54.4)
+        # the GPU's NIC then carries 48.5 GB/s onto its rail
+        nic = next(v for _, v, d in c.graph.out_edges(c.gpu_name(r), data=True) if d["kind"] == "pcie_nic")
+        assert c.graph.nodes[nic]["rail"] == r % 8
+        (fabric,) = [d["bw_GBps"] for _, _, d in c.graph.out_edges(nic, data=True) if d["kind"] == "nic_tx"]
+        assert fabric == pytest.approx(48.5)
+
+
+def check_path(c, src, dst, path):
+    """The links chain from src's GPU to dst's GPU in the graph."""
+    if src == dst:
+        assert path == ()
+        return
+    names = [c.link_names[i] for i in path]
+    assert names[0][0] == c.gpu_name(src) and names[-1][1] == c.gpu_name(dst)
+    for (_, v), (u, _) in zip(names, names[1:], strict=False):
+        assert v == u
+    for u, v in names:
+        assert c.graph.has_edge(u, v)
+
+
+def test_hop_counts_and_pxn(h100):
+    c = build_cluster(h100, 64)  # 2 leaves per rail
+    assert len(c.path(0, 0)) == 0
+    assert len(c.path(0, 5)) == 2  # GPU -> NVSwitch -> GPU
+    assert len(c.path(0, 8)) == 4  # same rail, same leaf
+    assert len(c.path(0, 8 * 40)) == 6  # same rail, other leaf: via the spine
+    pxn = c.path(3, 8 + 6)  # local 3 -> local 6 of the next node
+    assert len(pxn) == 6
+    first = [c.link_names[i] for i in pxn[:3]]
+    assert first == [("n0/gpu3", "n0/switch"), ("n0/switch", "n0/gpu6"), ("n0/gpu6", "n0/nic6")]
+    assert all(c.link_kind[i] != "leaf_up" for i in pxn)  # PXN never leaves rail 6
+    spine = build_cluster(h100, 64, cross_rail="spine")
+    alt = [spine.link_names[i] for i in spine.path(3, 8 + 6)]
+    assert (
+        alt[0] == ("n0/gpu3", "n0/nic3") and ("leaf/r3/0", "spine") in alt and ("spine", "leaf/r6/0") in alt
+    )
+    rng = np.random.default_rng(1)
+    for cl in (c, spine):
+        for s, d in rng.integers(0, cl.world_size, size=(300, 2)):
+            check_path(cl, int(s), int(d), cl.path(int(s), int(d)))
+
+
+def test_vectorised_paths_match_graph_shortest_hops(h100):
+    """Same-rail paths are shortest paths of the graph (an independent computation)."""
+    c = build_cluster(h100, 4)
+    g = c.graph.subgraph([v for v, d in c.graph.nodes(data=True) if d["kind"] != "host"])
+    for s, d in [(0, 1), (0, 8), (9, 25), (2, 2 + 16)]:
+        assert len(c.path(s, d)) == nx.shortest_path_length(g, c.gpu_name(s), c.gpu_name(d))
+
+
+def test_host_path(h100):
+    c = build_cluster(h100, 2)
+    (up,) = c.host_path(9, to_host=True)
+    (down,) = c.host_path(9, to_host=False)
+    assert c.link_names[up] == ("n1/gpu1", "n1/host") and c.link_names[down] == ("n1/host", "n1/gpu1")
+
+
+@pytest.mark.parametrize("oversub", [1.0, 2.0])
+@pytest.mark.parametrize("nodes", [1, 2, 16, 64])
+def test_bisection_graph_vs_closed_form(h100, nodes, oversub):
+    topo = h100.model_copy(
+        update={"scaleout": h100.scaleout.model_copy(update={"oversubscription": oversub})}
+    )
+    c = build_cluster(topo, nodes)
+    closed = bisection_closed_form_GBps(topo, nodes)
+    assert bisection_GBps(c) == pytest.approx(closed)
+    nic = 48.5
+    expected = {1: 4 * 369.0, 2: 8 * nic, 16: 64 * nic, 64: 32 * 8 * nic / oversub}[nodes]
+    assert closed == pytest.approx(expected)
+
+
+def test_single_switch_and_shared_nics(h100):
+    topo = h100.model_copy(
+        update={"scaleout": h100.scaleout.model_copy(update={"kind": "single_switch", "nics_per_node": 2})}
+    )
+    c = build_cluster(topo, 2)
+    assert kinds(c).count("nic") == 4 and kinds(c).count("switch") == 1
+    assert len(c.path(0, 8 + 7)) == 4  # own NIC (0) -> switch -> NIC 1 of node 1 -> GPU 7
+    check_path(c, 0, 15, c.path(0, 15))
+    # 4 GPUs share each NIC: bisection = 2 NICs x 48.5 per node
+    assert bisection_GBps(c) == pytest.approx(2 * 48.5)
+    assert bisection_closed_form_GBps(topo, 2) == pytest.approx(2 * 48.5)
+
+
+def test_none_scaleout_is_single_node():
+    cpu = load_topology("cpu-host")
+    c = build_cluster(cpu, 1)
+    assert kinds(c).count("shared_memory") == 1 and kinds(c).count("nic") == 0
+    assert len(c.path(0, 1)) == 2
+    with pytest.raises(InputError, match="cluster.nodes"):
+        build_cluster(cpu, 2)
+
+
+def test_cluster_for_scenario():
+    s = load_scenario(SCENARIOS / "128gpu.yaml")
+    c = cluster_for(s)
+    assert c.world_size == s.world_size == 128
+    assert c.nodes == s.cluster.nodes
+
+
+def test_bad_rank(h100):
+    c = build_cluster(h100, 1)
+    with pytest.raises(ValueError, match="rank 8"):
+        c.path(0, 8)
