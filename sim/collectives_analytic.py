@@ -1,0 +1,109 @@
+"""Closed forms for collectives: nccl-tests bandwidth definitions, alpha-beta times, link bounds.
+
+nccl-tests doc/PERFORMANCE.md: ``algbw = S / t``; ``busbw = algbw x factor`` with factor
+``2(n-1)/n`` for all-reduce and ``(n-1)/n`` for reduce-scatter, all-gather and all-to-all.
+Ring times are the alpha-beta model (Thakur, Rabenseifner & Gropp 2005; Patarasuk & Yuan 2009):
+``steps x (alpha + S / (n C B))`` with ``C`` parallel rings of per-ring bandwidth ``B``.
+:func:`estimate_time_s` is what an analytic engine uses on any cluster and group: the busiest
+link's serialisation time plus the longest chain of dependent path latencies.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sim.cluster import Cluster
+from sim.collectives_dag import TransferDag
+
+
+def busbw_factor(kind: str, n: int) -> float:
+    """nccl-tests' bus-bandwidth correction factor for ``kind`` over ``n`` ranks."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n if kind == "all_reduce" else (n - 1) / n
+
+
+def bandwidths_GBps(kind: str, n: int, nbytes: float, time_s: float) -> tuple[float, float]:
+    """``(algbw, busbw)`` in GB/s (1e9 B/s) of a collective of size ``nbytes`` that took ``time_s``."""
+    if time_s <= 0:
+        return 0.0, 0.0
+    algbw = nbytes / time_s / 1e9
+    return algbw, algbw * busbw_factor(kind, n)
+
+
+def ring_steps(kind: str, n: int) -> int:
+    """Dependent steps of a ring collective: 2(n-1) for all-reduce, n-1 otherwise."""
+    return 2 * (n - 1) if kind == "all_reduce" else n - 1
+
+
+def ring_time_s(
+    kind: str, n: int, nbytes: float, bw_Bps: float, latency_s: float, channels: int = 1
+) -> float:
+    """Alpha-beta time of a ring collective: ``steps x (latency + S / (n x channels x bw))``."""
+    if n <= 1:
+        return 0.0
+    return ring_steps(kind, n) * (latency_s + nbytes / (n * channels * bw_Bps))
+
+
+def all_to_all_time_s(n: int, nbytes: float, bw_Bps: float, latency_s: float) -> float:
+    """Uniform all-to-all of an ``nbytes`` buffer per rank: ``latency + (n-1)/n x S / bw``."""
+    return latency_s + (n - 1) / n * nbytes / bw_Bps if n > 1 else 0.0
+
+
+def dag_link_bytes(cluster: Cluster, dag: TransferDag, by_phase: bool = False) -> np.ndarray:
+    """Bytes every link carries over the whole DAG (from the cluster's paths); with ``by_phase``
+    a (phases x links) array."""
+    indptr, links = cluster.paths(dag.src, dag.dst)
+    owner = np.repeat(np.arange(len(dag.src)), np.diff(indptr))
+    n_links = cluster.num_links
+    if not by_phase:
+        return np.bincount(links, weights=dag.nbytes[owner], minlength=n_links)
+    phases = int(dag.phase.max()) + 1 if len(dag.phase) else 1
+    flat = np.bincount(
+        dag.phase[owner] * n_links + links, weights=dag.nbytes[owner], minlength=phases * n_links
+    )
+    return flat.reshape(phases, n_links)
+
+
+def dag_lower_bound_s(cluster: Cluster, dag: TransferDag) -> float:
+    """No schedule beats the busiest link: ``max over links of bytes / bandwidth``."""
+    if not len(dag.src):
+        return 0.0
+    return float((dag_link_bytes(cluster, dag) / cluster.link_bw_Bps).max())
+
+
+def dag_critical_latency_s(cluster: Cluster, dag: TransferDag) -> float:
+    """Longest chain of dependent transfers counting only path latencies (a bound: no byte is free).
+
+    Kahn's topological order, one vectorised relaxation per level of the DAG.
+    """
+    n = len(dag.src)
+    if not n:
+        return 0.0
+    indptr, links = cluster.paths(dag.src, dag.dst)
+    owner = np.repeat(np.arange(n), np.diff(indptr))
+    lat = np.bincount(owner, weights=cluster.link_latency_s[links], minlength=n)
+    counts = np.diff(dag.prereq_indptr).astype(np.int64)
+    waiter = np.repeat(np.arange(n), counts)
+    ready_at = np.zeros(n)  # latest end among the prerequisites seen so far
+    end = np.zeros(n)
+    frontier = np.flatnonzero(counts == 0)
+    left = counts.copy()
+    while len(frontier):
+        end[frontier] = ready_at[frontier] + lat[frontier]
+        done = np.zeros(n, dtype=bool)
+        done[frontier] = True
+        hit = done[dag.prereq]
+        np.maximum.at(ready_at, waiter[hit], end[dag.prereq[hit]])
+        np.subtract.at(left, waiter[hit], 1)
+        frontier = np.unique(waiter[hit][left[waiter[hit]] == 0])
+    return float(end.max())
+
+
+def estimate_time_s(cluster: Cluster, dag: TransferDag) -> float:
+    """Analytic estimate: per sequential phase the busiest link's serialisation, summed, plus the
+    DAG's latency chain. Exact for a lone symmetric phase; phases that overlap make it pessimistic."""
+    if not len(dag.src):
+        return 0.0
+    per_link = dag_link_bytes(cluster, dag, by_phase=True) / cluster.link_bw_Bps
+    return float(per_link.max(axis=1).sum()) + dag_critical_latency_s(cluster, dag)
