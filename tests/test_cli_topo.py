@@ -1,0 +1,55 @@
+"""``moesim topo`` through a real subprocess: figures, JSON, PNG, exit codes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sim.cli.topo import summarize
+from sim.cluster import build_cluster
+from sim.topology import load_topology
+
+
+def test_topo_dgx_h100_16_nodes(cli, tmp_path):
+    png, js = tmp_path / "topo.png", tmp_path / "topo.json"
+    r = cli("topo", "dgx-h100", "--nodes", "16", "--plot", str(png), "--json", str(js))
+    assert r.returncode == 0, r.stderr
+    assert "16 x 8 = 128 H100-SXM" in r.stdout
+    assert "3104.0 GB/s from the graph" in r.stdout  # 8 nodes x 8 NICs x 48.5 GB/s
+    data = json.loads(js.read_text())
+    assert data["num_gpus"] == 128 and data["devices"]["nic"] == 128 and data["devices"]["leaf"] == 8
+    assert data["bisection_GBps"] == pytest.approx(data["bisection_closed_form_GBps"])
+    assert data["per_gpu"]["intra_GBps"] == pytest.approx(369.0)
+    assert data["hops"] == {"same_node": 2, "same_rail": 4, "cross_rail": 6, "farthest_node_same_rail": 4}
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
+
+
+def test_topo_json_stdout_and_spine_crossing(cli):
+    r = cli("topo", "h800-cluster", "--nodes", "2", "--cross-rail", "spine", "--json", "-")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["hops"]["cross_rail"] == 6 and data["cross_rail"] == "spine"
+    assert data["per_gpu"]["intra_GBps"] == pytest.approx(160.0)  # DeepSeek-V3's measured NVLink
+
+
+def test_summary_under_oversubscription():
+    topo = load_topology("dgx-h100")
+    topo = topo.model_copy(update={"scaleout": topo.scaleout.model_copy(update={"oversubscription": 2.0})})
+    s = summarize(build_cluster(topo, 64))
+    assert s["bisection_GBps"] == pytest.approx(32 * 8 * 48.5 / 2)
+    assert s["devices"]["leaf"] == 16
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["dgx-h10", "--nodes", "2"], "topology: unknown topology 'dgx-h10' (did you mean 'dgx-h100'?)"),
+        (["cpu-host", "--nodes", "2"], "--nodes: topology 'cpu-host' has no scale-out fabric"),
+        (["dgx-h100", "--nodes", "0"], "--nodes: must be >= 1"),
+    ],
+)
+def test_topo_bad_input_exits_2(cli, args, field):
+    r = cli("topo", *args)
+    assert r.returncode == 2
+    assert field in r.stderr and "Traceback" not in r.stderr
