@@ -311,12 +311,9 @@ class Network:
             drained[np.argmin(left_s)] = True
         idx = np.flatnonzero(drained)
         # bytes a drain threshold leaves unsent still count as carried (exact conservation)
-        rest = np.maximum(self._rem[idx], 0.0) * self._w[idx]
-        on_path = drained[self._e_slot]
+        rest = np.maximum(self._rem, 0.0) * self._w * drained
         self.link_bytes += np.bincount(
-            self._e_link[on_path],
-            weights=rest[np.searchsorted(idx, self._e_slot[on_path])],
-            minlength=len(self.capacity_Bps),
+            self._e_link, weights=rest[self._e_slot], minlength=len(self.capacity_Bps)
         )
         self._schedule_delivery(self._bid[idx], self._local[idx], self._lat[idx])
         keep = ~drained
