@@ -10,9 +10,9 @@ link's serialisation time plus the longest chain of dependent path latencies.
 
 from __future__ import annotations
 
-import numpy as np
-
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from sim.cluster import Cluster
 
