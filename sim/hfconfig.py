@@ -134,6 +134,8 @@ def _granitemoe(c: _Config) -> Fields:
 def _olmoe(c: _Config) -> Fields:
     fields = {**_common(c), **_routed(c, "num_experts", "intermediate_size", False)}
     fields["attention_bias"] = c.bool("attention_bias", False)
+    # OlmoeAttention: q_norm = RMSNorm(heads x head_dim), k_norm = RMSNorm(kv_heads x head_dim)
+    fields["qk_norm"] = "full"
     return fields
 
 
@@ -171,6 +173,7 @@ def _qwen2_moe(c: _Config) -> Fields:
 def _qwen3_moe(c: _Config) -> Fields:
     fields = {**_common(c), **_routed(c, "num_experts", "moe_intermediate_size", False)}
     fields["attention_bias"] = c.bool("attention_bias", False)
+    fields["qk_norm"] = "head"  # Qwen3MoeAttention: q_norm / k_norm = RMSNorm(head_dim), per head
     return _sparse_step(c, fields)
 
 

@@ -4,7 +4,9 @@ Counts follow the HuggingFace modeling files' ``nn.Linear`` / norm shapes: GQA a
 (q, k, v, o; q/k/v biases when ``attention_bias``), DeepSeek MLA (q_a/q_b or q, kv_a with the rope
 key, kv_b, o, and the two low-rank RMSNorms), gated FFN = 3 matrices (gate, up, down), plain = 2,
 linear = one d x d matrix, router ``E x d`` (+ ``E`` selection bias), the Qwen2-MoE shared-expert
-gate ``d x 1``, two norms per layer plus a final one, input embedding and (untied) LM head.
+gate ``d x 1``, two norms per layer plus a final one, the query/key norms of ``qk_norm`` (counted
+in ``norms``: ``head`` = 2 x head_dim weights per layer as Qwen3-MoE's q_norm/k_norm, ``full`` =
+(heads + kv_heads) x head_dim as OLMoE's), input embedding and (untied) LM head.
 
 ``active`` = every parameter a token passes through: all non-routed parameters (embedding table
 and LM head included, as in Mixtral's 12.9B) plus ``top_k`` routed experts per MoE layer.
@@ -104,14 +106,25 @@ def attention_params(m: ModelConfig) -> int:
     return d * q_out + 2 * d * kv_out + q_out * d + bias
 
 
-def _norm(m: ModelConfig) -> int:
-    return 2 * m.hidden_size if m.norm_type == "layernorm" else m.hidden_size
+def _norm(m: ModelConfig, width: int | None = None) -> int:
+    """Weights of one norm of ``width`` (default hidden_size): RMSNorm a scale, LayerNorm scale + bias."""
+    width = m.hidden_size if width is None else width
+    return 2 * width if m.norm_type == "layernorm" else width
+
+
+def qk_norm_params(m: ModelConfig) -> int:
+    """The query and key norms of one attention block (``ModelConfig.qk_norm``)."""
+    if m.qk_norm == "head":
+        return 2 * _norm(m, m.head_size)
+    if m.qk_norm == "full":
+        return _norm(m, m.num_attention_heads * m.head_size) + _norm(m, m.kv_heads * m.head_size)
+    return 0
 
 
 def layer_params(m: ModelConfig, layer: int) -> LayerParams:
     """Parameters of layer ``layer`` (0-based): dense or MoE per ``ModelConfig.is_moe_layer``."""
     d = m.hidden_size
-    attention, norms = attention_params(m), 2 * _norm(m)
+    attention, norms = attention_params(m), 2 * _norm(m) + qk_norm_params(m)
     moe = m.is_moe_layer(layer)
     if not moe and m.num_shared_experts and m.num_experts <= 1:
         moe = True  # shared experts only, no routing
@@ -176,4 +189,5 @@ __all__ = [
     "ffn_params",
     "layer_params",
     "mtp_params",
+    "qk_norm_params",
 ]

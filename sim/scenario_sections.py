@@ -58,6 +58,11 @@ class ModelConfig(BaseModel):
     qk_rope_head_dim: int | None = Field(default=None, ge=0)
     v_head_dim: int | None = Field(default=None, ge=1)
     attention_bias: bool = Field(default=False, description="biases on q/k/v projections (Qwen2)")
+    qk_norm: Literal["none", "head", "full"] = Field(
+        default="none",
+        description="RMSNorm on queries and keys: head = per head, width head_dim (Qwen3-MoE); "
+        "full = over the whole q (heads x head_dim) and k (kv_heads x head_dim) projections (OLMoE)",
+    )
     vocab_size: int = Field(default=32000, ge=1)
     tie_word_embeddings: bool = False
     norm_type: Literal["rmsnorm", "layernorm"] = "rmsnorm"
@@ -96,6 +101,10 @@ class ModelConfig(BaseModel):
                 "head_dim",
                 f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
                 f"({self.num_attention_heads}); set head_dim",
+            )
+        if self.qk_norm != "none" and self.attention != "mha":
+            raise field_error(
+                "qk_norm", f"qk_norm: {self.qk_norm} applies to attention: mha only, not {self.attention}"
             )
         if self.attention == "mla":
             missing = [

@@ -54,6 +54,7 @@ def test_qwen3_moe_head_dim_and_gqa():
     assert (m.num_layers, m.hidden_size, m.head_size, m.kv_heads) == (48, 2048, 128, 4)
     assert (m.num_experts, m.top_k, m.moe_ffn_hidden_size, m.norm_topk_prob) == (128, 8, 768, True)
     assert not m.attention_bias and m.num_moe_layers == 48
+    assert m.qk_norm == "head"  # Qwen3MoeAttention.q_norm/k_norm: RMSNorm(head_dim)
 
 
 def test_deepseek_v3_mla_shared_dense_mtp_sigmoid():
@@ -91,9 +92,11 @@ def test_olmoe_and_granitemoe():
         1024,
         False,
     )
+    assert olmoe.qk_norm == "full"  # OlmoeAttention.q_norm: RMSNorm(heads x head_dim)
     granite = model("granite-3.0-1b-a400m-base")
     assert (granite.num_experts, granite.top_k, granite.moe_ffn_hidden_size) == (32, 8, 512)
     assert granite.tie_word_embeddings and granite.kv_heads == 8
+    assert granite.qk_norm == "none"
 
 
 def test_dense_llama_is_one_expert():

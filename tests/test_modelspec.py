@@ -56,12 +56,39 @@ def test_total_equals_the_released_checkpoint(name, exact):
     assert count_params(hf_model(name)).total == exact
 
 
-def test_total_misses_only_the_qk_norms_that_modelconfig_lacks():
-    # Safetensors totals 6,919,161,856 (OLMoE) and 30,532,122,624 (Qwen3-30B-A3B) include
-    # q_norm/k_norm RMSNorm weights: OLMoE normalises the whole q and k (2 x 2048 per layer),
-    # Qwen3 per head (2 x 128 per layer). Everything else matches exactly.
-    assert count_params(hf_model("OLMoE-1B-7B-0924")).total + 16 * 2 * 2048 == 6_919_161_856
-    assert count_params(hf_model("Qwen3-30B-A3B")).total + 48 * 2 * 128 == 30_532_122_624
+@pytest.mark.parametrize(
+    ("name", "exact", "qk_norm_weights"),
+    [
+        # Safetensors totals include q_norm/k_norm RMSNorm weights: OLMoE normalises the whole q
+        # and k (16 layers x (2048 + 2048)), Qwen3 per head (48 layers x (128 + 128)).
+        ("OLMoE-1B-7B-0924", 6_919_161_856, 16 * 2 * 2048),
+        ("Qwen3-30B-A3B", 30_532_122_624, 48 * 2 * 128),
+    ],
+)
+def test_qk_norms_close_the_gap_to_the_released_checkpoint(name, exact, qk_norm_weights):
+    with_norms = count_params(hf_model(name))
+    without = count_params(hf_model(name, qk_norm="none"))
+    assert with_norms.total == exact
+    assert with_norms.total - without.total == qk_norm_weights
+    assert with_norms.active - without.active == qk_norm_weights  # non-expert: every token uses them
+    assert with_norms.norms - without.norms == qk_norm_weights and with_norms.expert == without.expert
+
+
+def test_qk_norm_widths_by_hand():
+    base = dict(num_layers=3, hidden_size=16, num_attention_heads=4, num_kv_heads=2, head_dim=8)
+    base.update(vocab_size=10, ffn_hidden_size=32)
+    none, head, full = (count_params(ModelConfig(**base, qk_norm=q)).total for q in ("none", "head", "full"))
+    assert head - none == 3 * (8 + 8)  # q_norm, k_norm of head_dim each
+    assert full - none == 3 * (4 * 8 + 2 * 8)  # heads x head_dim for q, kv_heads x head_dim for k
+    ln = count_params(ModelConfig(**base, qk_norm="head", norm_type="layernorm"))
+    ln_none = count_params(ModelConfig(**base, norm_type="layernorm"))
+    assert ln.total - ln_none.total == 3 * 2 * (8 + 8)  # LayerNorm: scale and bias
+
+
+def test_qk_norm_needs_mha_attention():
+    m = hf_model("DeepSeek-V2-Lite")
+    with pytest.raises(ValueError, match="qk_norm"):
+        ModelConfig(**{**m.model_dump(), "qk_norm": "head"})
 
 
 @pytest.mark.parametrize(
