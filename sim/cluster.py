@@ -25,10 +25,16 @@ rails, ``cross_rail="pxn"`` (default, NCCL's PXN, NCCL_PXN_DISABLE=0) first move
 NVLink to the source-node GPU with the destination's local index and sends it on that rail, so
 traffic never leaves its rail; ``cross_rail="spine"`` sends on the source's own NIC and crosses
 rails at the spine. Inter-node bytes are the bytes on ``nic_tx`` links.
+
+Faults (:mod:`sim.faults`): a degraded link keeps its path and loses bandwidth; a pair whose path
+above crosses a failed link takes instead the shortest path (hops, then latency) over the links
+left, host memory never a transit (:mod:`sim.reroute`): a GPU whose NIC failed reaches the fabric
+over NVLink through another GPU of its node and that GPU's NIC, PXN-style.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -72,6 +78,10 @@ class Cluster:
     _leaf_down: np.ndarray
     _nic_of_local: np.ndarray
     _path_cache: dict[tuple[int, int], tuple[int, ...]] = field(default_factory=dict, repr=False)
+    #: Failed links (set by :func:`sim.faults.apply_faults`); a path over one is rerouted.
+    link_failed: np.ndarray | None = field(default=None, repr=False)
+    #: (src, dst) -> link indices avoiding failed links (:class:`sim.reroute.Rerouter`).
+    _reroute: Callable[[int, int], tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:
@@ -133,10 +143,31 @@ class Cluster:
                 src[far], dst[far], node_s[far], loc_s[far], node_d[far], loc_d[far]
             )
         used = hops >= 0  # row-major selection keeps every path's hops in order
+        if self.link_failed is not None and self._reroute is not None:
+            hit = (self.link_failed[np.where(used, hops, 0)] & used).any(axis=1)
+            if hit.any():
+                return self._with_reroutes(src, dst, hops, used, np.flatnonzero(hit))
         lengths = used.sum(axis=1)
         indptr = np.zeros(len(src) + 1, dtype=np.int64)
         np.cumsum(lengths, out=indptr[1:])
         return indptr, hops[used]
+
+    def _with_reroutes(self, src, dst, hops, used, rows) -> tuple[np.ndarray, np.ndarray]:
+        """CSR paths where ``rows`` (whose rule-based path crosses a failed link) take the rerouter's."""
+        assert self._reroute is not None
+        new = [self._reroute(int(src[r]), int(dst[r])) for r in rows]
+        lengths = used.sum(axis=1)
+        lengths[rows] = [len(p) for p in new]
+        indptr = np.zeros(len(src) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=indptr[1:])
+        out = np.empty(int(indptr[-1]), dtype=np.int64)
+        keep = used.copy()
+        keep[rows] = False
+        r, c = np.nonzero(keep)
+        out[indptr[r] + (np.cumsum(used, axis=1) - 1)[r, c]] = hops[r, c]
+        for row, p in zip(rows, new, strict=True):
+            out[indptr[row] : indptr[row + 1]] = p
+        return indptr, out
 
     def _inter_node_hops(self, src, dst, node_s, loc_s, node_d, loc_d) -> np.ndarray:
         hops = np.full((len(src), 8), -1, dtype=np.int64)
@@ -289,9 +320,15 @@ def build_cluster(
     )
 
 
-def cluster_for(scenario, cross_rail: CrossRail = "pxn") -> Cluster:
-    """The cluster of a loaded :class:`~sim.scenario.Scenario` (its topology, nodes, GPUs per node)."""
-    return build_cluster(scenario.topology, scenario.cluster.nodes, scenario.gpus_per_node, cross_rail)
+def cluster_for(scenario, cross_rail: CrossRail = "pxn", faults: bool = True) -> Cluster:
+    """The cluster of a loaded :class:`~sim.scenario.Scenario` (its topology, nodes, GPUs per node),
+    with the scenario's degraded and failed links applied unless ``faults=False`` (the healthy one)."""
+    cluster = build_cluster(scenario.topology, scenario.cluster.nodes, scenario.gpus_per_node, cross_rail)
+    if faults and scenario.faults.links:
+        from sim.faults import apply_faults
+
+        cluster = apply_faults(cluster, scenario)
+    return cluster
 
 
 def bisection_GBps(cluster: Cluster) -> float:

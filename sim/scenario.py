@@ -181,6 +181,10 @@ class Scenario(BaseModel):
             raise InputError(
                 "every layer is dense: first_dense_layers == num_layers", field="model.first_dense_layers"
             )
+        if self.faults.any:
+            from sim.faults import check_faults
+
+            check_faults(self)
 
     def _group_word(self) -> str:
         return "nodes" if self.routing.policy == "node_limited" else "devices"

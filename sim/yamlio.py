@@ -78,26 +78,30 @@ def load_yaml_mapping(path: str | Path, what: str = "YAML file") -> dict[str, An
     return data
 
 
-def _sub_model(annotation: Any) -> type[BaseModel] | None:
-    """The BaseModel class inside ``annotation`` (unwrapping Optional / Union), if any."""
+def _sub_model(annotation: Any, through_lists: bool = False) -> type[BaseModel] | None:
+    """The BaseModel class inside ``annotation`` (unwrapping Optional / Union, and ``list[...]``
+    when ``through_lists``), if any."""
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return annotation
     origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType, typing.Annotated):
+    if origin in (typing.Union, types.UnionType, typing.Annotated) or (through_lists and origin is list):
         for arg in typing.get_args(annotation):
-            found = _sub_model(arg)
+            found = _sub_model(arg, through_lists)
             if found is not None:
                 return found
     return None
 
 
 def _model_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    """Walk ``loc`` (field names) from ``cls`` to the model that holds the last element."""
+    """Walk ``loc`` (field names; list indices are stepped over) from ``cls`` to the model that
+    holds the last element."""
     current: type[BaseModel] | None = cls
     for part in loc:
-        if current is None or not isinstance(part, str) or part not in current.model_fields:
+        if isinstance(part, int):
+            continue  # an item of a list field: _sub_model already unwrapped list[Model]
+        if current is None or part not in current.model_fields:
             return current if current is not None and part == loc[-1] else None
-        current = _sub_model(current.model_fields[part].annotation)
+        current = _sub_model(current.model_fields[part].annotation, through_lists=True)
     return current
 
 

@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
         "global_batch_sequences": s.global_batch_size,
         "tokens_per_step": s.global_batch_size * s.training.seq_len,
         "routing_policy": s.routing.policy_string,
+        "faults": s.faults.summary(),
     }
     if args.json:
         write_json(args.json, layout)
