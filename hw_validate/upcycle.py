@@ -129,7 +129,7 @@ def train_dense(scenario: Scenario, steps: int, *, seed: int = 0, lr: float | No
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     return model, losses
 
 

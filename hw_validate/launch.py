@@ -1,0 +1,257 @@
+"""Launch a scenario's real DeepSpeed job (``deepspeed`` or ``torchrun``) and supervise it.
+
+::
+
+    python -m hw_validate.launch --scenario scenarios/cpu-2rank.yaml [--nproc 2] [--launcher deepspeed|torchrun]
+        [--steps N] [--out DIR] [--timeout S] [--set k=v]... [-- EXTRA train_moe ARGS]
+
+or from Python (``moesim validate`` does)::
+
+    res = run_job("scenarios/cpu-2rank.yaml", nproc=2, out_dir="runs/cpu-2rank", steps=10)
+    res.measurement, res.trace        # paths of measurement.json and router_trace.json
+
+The job runs in a fresh staging folder ``OUT/.staging-*``; each rank runs under
+:mod:`hw_validate.rankwrap` (per-rank log, exit status). Only when every rank exited 0 and both
+result files exist are they moved into ``OUT`` (trace first, then measurement; logs to
+``OUT/logs``). Otherwise nothing in ``OUT`` is touched except a new ``OUT/failed-<time>/`` with the
+logs, and :class:`JobError` names the rank that died (its exit status, step and last log lines) or,
+after ``--timeout``, the rank that looks hung (heartbeats and ``faulthandler`` stacks, taken by
+sending SIGUSR1 before the job's process group is stopped).
+
+Exit status of the CLI: 0 ok; 2 bad input (scenario, rank count); 1 the job failed or timed out.
+No torch import here: the launcher runs on any Python with the scenario schema.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from hw_validate.diagnose import explain_exit, explain_timeout, read_states
+from sim.errors import InputError
+from sim.scenario import load_scenario
+
+HERE = Path(__file__).resolve().parent
+TRAIN_SCRIPT = HERE / "train_moe.py"
+WRAPPER = HERE / "rankwrap.py"
+MEASUREMENT_FILE = "measurement.json"
+TRACE_FILE = "router_trace.json"
+LAUNCHERS = ("deepspeed", "torchrun")
+
+
+class JobError(RuntimeError):
+    """A launched job failed or hung; ``rank`` is the rank to blame (None when unknown)."""
+
+    def __init__(self, message: str, rank: int | None = None, run_dir: Path | None = None, returncode: int | None = None):
+        super().__init__(message)
+        self.rank, self.run_dir, self.returncode = rank, run_dir, returncode
+
+
+@dataclass
+class JobResult:
+    out_dir: Path
+    measurement: Path
+    trace: Path
+    logs: Path
+    wall_s: float
+    command: list[str]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def build_command(launcher: str, nproc: int, script_args: list[str], master_port: int) -> list[str]:
+    """The launcher command line: every rank runs ``rankwrap.py train_moe.py SCRIPT_ARGS``."""
+    if launcher == "deepspeed":
+        head = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(master_port)]
+    elif launcher == "torchrun":
+        head = [
+            sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+            "--master_addr", "127.0.0.1", "--master_port", str(master_port),
+        ]  # fmt: skip
+    else:
+        raise InputError(f"unknown launcher '{launcher}'; use one of {', '.join(LAUNCHERS)}", field="--launcher")
+    return [*head, str(WRAPPER), str(TRAIN_SCRIPT), *script_args]
+
+
+def _pump(stream, log_path: Path, echo: bool, keep: collections.deque) -> None:
+    with open(log_path, "wb") as log:
+        for line in iter(stream.readline, b""):
+            log.write(line)
+            log.flush()
+            keep.append(line.decode("utf-8", "replace").rstrip("\n"))
+            if echo:
+                try:
+                    sys.stdout.buffer.write(line)
+                    sys.stdout.flush()
+                except (BrokenPipeError, OSError):
+                    pass
+
+
+def _stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+    """SIGTERM the job's process group (the one this function's caller started), then SIGKILL."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def _dump_stacks(states) -> None:
+    for s in states:
+        if s.pid and s.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(s.pid, signal.SIGUSR1)
+
+
+def run_job(
+    scenario_path: str | Path,
+    nproc: int | None = None,
+    out_dir: str | Path | None = None,
+    steps: int | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    timeout_s: float = 900.0,
+    launcher: str = "deepspeed",
+    extra_args: list[str] | tuple[str, ...] = (),
+    env: dict[str, str] | None = None,
+    echo: bool = True,
+) -> JobResult:
+    """Run the scenario's DeepSpeed job on ``nproc`` local ranks; raise :class:`JobError` if it fails."""
+    scen = load_scenario(scenario_path, list(overrides))
+    if scen.cluster.nodes != 1:
+        raise InputError(
+            f"the launcher runs one node; for {scen.cluster.nodes} nodes run `deepspeed --hostfile H "
+            f"--num_nodes {scen.cluster.nodes} hw_validate/train_moe.py --scenario {scenario_path}` on the cluster",
+            file=str(scenario_path),
+            field="cluster.nodes",
+        )
+    nproc = scen.world_size if nproc is None else nproc
+    if nproc != scen.world_size:
+        raise InputError(
+            f"--nproc {nproc} but the scenario describes {scen.world_size} ranks; "
+            f"add --set cluster.gpus_per_node={nproc} to run it on {nproc}",
+            file=str(scenario_path),
+            field="--nproc",
+        )
+    if launcher not in LAUNCHERS:
+        raise InputError(f"unknown launcher '{launcher}'; use one of {', '.join(LAUNCHERS)}", field="--launcher")
+    if steps is not None and steps < 1:
+        raise InputError("must be >= 1", field="--steps")
+    out = Path(out_dir) if out_dir is not None else Path("runs") / scen.name
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+    script_args = ["--scenario", str(Path(scenario_path).resolve()), "--out", str(staging)]
+    for o in overrides:
+        script_args += ["--set", o]
+    if steps is not None:
+        script_args += ["--steps", str(steps)]
+    script_args += list(extra_args)
+    cmd = build_command(launcher, nproc, script_args, free_port())
+    run_env = dict(os.environ if env is None else env)
+    run_env.update(MOESIM_RUN_DIR=str(staging), MOESIM_LAUNCHER=launcher, PYTHONUNBUFFERED="1")
+    root = str(HERE.parent)
+    run_env["PYTHONPATH"] = root + (os.pathsep + run_env["PYTHONPATH"] if run_env.get("PYTHONPATH") else "")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
+    keep: collections.deque = collections.deque(maxlen=40)
+    pump = threading.Thread(target=_pump, args=(proc.stdout, staging / "job.log", echo, keep), daemon=True)
+    pump.start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _dump_stacks(read_states(staging, nproc))
+        time.sleep(2.0)
+        states = read_states(staging, nproc, n_lines=25)
+        _stop_group(proc)
+        pump.join(timeout=5)
+        rank, msg = explain_timeout(states, timeout_s, _keep_failed(staging, out))
+        raise JobError(msg, rank=rank, run_dir=staging, returncode=None) from None
+    except BaseException:
+        _stop_group(proc)
+        raise
+    pump.join(timeout=10)
+    wall = time.monotonic() - t0
+    meas, trace = staging / MEASUREMENT_FILE, staging / TRACE_FILE
+    if rc != 0 or not meas.is_file() or not trace.is_file():
+        states = read_states(staging, nproc)
+        if rc == 0:
+            rank, msg = None, f"every rank exited 0 but {MEASUREMENT_FILE} / {TRACE_FILE} are missing"
+        else:
+            rank, msg = explain_exit(states, rc, staging)
+        if rank is None and keep:
+            msg += "\n  last lines of the launcher:\n" + "\n".join(f"    {line}" for line in list(keep)[-15:])
+        failed = _keep_failed(staging, out)
+        raise JobError(msg.replace(str(staging), str(failed)), rank=rank, run_dir=failed, returncode=rc)
+    os.replace(trace, out / TRACE_FILE)
+    os.replace(meas, out / MEASUREMENT_FILE)
+    logs = out / "logs"
+    if logs.exists():
+        shutil.rmtree(logs)
+    os.replace(staging / "logs", logs)
+    os.replace(staging / "job.log", logs / "job.log")
+    shutil.rmtree(staging, ignore_errors=True)
+    return JobResult(out, out / MEASUREMENT_FILE, out / TRACE_FILE, logs, wall, cmd)
+
+
+def _keep_failed(staging: Path, out: Path) -> Path:
+    target = out / time.strftime("failed-%Y%m%d-%H%M%S")
+    n = 1
+    while target.exists():
+        target = out / (time.strftime("failed-%Y%m%d-%H%M%S") + f"-{n}")
+        n += 1
+    try:
+        os.replace(staging, target)
+    except OSError:
+        return staging
+    return target
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m hw_validate.launch", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--scenario", required=True)
+    ap.add_argument("--nproc", type=int, default=None, help="ranks (default: the scenario's world size)")
+    ap.add_argument("--launcher", choices=LAUNCHERS, default="deepspeed")
+    ap.add_argument("--steps", type=int, default=None)
+    ap.add_argument("--out", default=None, help="result folder (default runs/<scenario>)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="seconds before the job counts as hung")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
+    ap.add_argument("--quiet", action="store_true", help="do not echo the job's output")
+    ap.add_argument("extra", nargs="*", help="after --: more train_moe.py arguments (e.g. --init upcycle ...)")
+    args = ap.parse_args(argv)
+    try:
+        res = run_job(
+            args.scenario, args.nproc, args.out, args.steps, args.overrides, args.timeout,
+            args.launcher, args.extra, echo=not args.quiet,
+        )  # fmt: skip
+    except InputError as exc:
+        print(f"launch: error: {exc}", file=sys.stderr)
+        return 2
+    except JobError as exc:
+        print(f"launch: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"launch: ok in {res.wall_s:.1f} s: {res.measurement} and {res.trace} (logs in {res.logs})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
