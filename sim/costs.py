@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from sim.calibration import Calibration
 from sim.topology import GpuSpec
 
@@ -99,6 +101,37 @@ class CostModel:
         nbytes = b * (m * k + k * n + m * n)
         t = max(flops / self.gemm_flops_per_s(m, n, k, dtype), nbytes / self.hbm_Bps)
         return count * (t + self.launch_s)
+
+    def gemm_times(self, m: np.ndarray, n: float, k: float, dtype: str) -> np.ndarray:
+        """:meth:`gemm_time` over an array of row counts ``m`` (zero rows cost nothing)."""
+        m = np.asarray(m, dtype=np.float64)
+        out = np.zeros(m.shape)
+        ok = m > 0
+        if n <= 0 or k <= 0 or not ok.any():
+            return out
+        peak, m_half, nk_half = self.gemm_params(dtype)
+        mm = m[ok]
+        rate = peak * (mm / (mm + m_half)) * _h(n, nk_half) * _h(k, nk_half)
+        nbytes = BYTES_PER_ELEMENT[dtype] * (mm * k + k * n + mm * n)
+        out[ok] = np.maximum(2.0 * mm * n * k / rate, nbytes / self.hbm_Bps) + self.launch_s
+        return out
+
+    def gemm_train_times(self, m: np.ndarray, n: float, k: float, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+        """(forward, backward) seconds of a linear layer on ``m`` rows: forward ``[m,k]@[k,n]``;
+        backward the input gradient ``[m,n]@[n,k]`` plus the weight gradient ``[k,m]@[m,n]``."""
+        m = np.asarray(m, dtype=np.float64)
+        fwd = self.gemm_times(m, n, k, dtype)
+        dgrad = self.gemm_times(m, k, n, dtype)
+        wgrad = np.zeros(m.shape)
+        ok = m > 0
+        if ok.any():
+            # [k, m] @ [m, n]: the token count is the reduction dimension
+            peak, m_half, nk_half = self.gemm_params(dtype)
+            mm = m[ok]
+            rate = peak * _h(k, m_half) * _h(n, nk_half) * (mm / (mm + nk_half))
+            nbytes = BYTES_PER_ELEMENT[dtype] * (mm * k + k * n + mm * n)
+            wgrad[ok] = np.maximum(2.0 * mm * n * k / rate, nbytes / self.hbm_Bps) + self.launch_s
+        return fwd, dgrad + wgrad
 
     def attention_time(self, flops: float, nbytes: float, dtype: str) -> float:
         """Attention core (FlashAttention-style fused kernel) at ``attention_efficiency`` x the GEMM peak."""

@@ -1,0 +1,345 @@
+"""One training step as ops per rank, the way DeepSpeed runs expert parallelism with data parallelism
+and ZeRO (pure: no SimPy here; :mod:`sim.engine` runs the ops).
+
+Every rank runs the same op sequence; only durations differ from rank to rank (its experts' token
+counts, stragglers), so an op holds a ``(world,)`` array of seconds. Per micro-batch and layer:
+
+forward   ``attention`` (norm, QKV/out GEMMs, attention core) | MoE: ``route`` (norm, router GEMM,
+          top-k), ``permute`` (DeepSpeed's capacity einsum ``sec,sm->ecm``: 2 S E C d FLOPs, or the
+          dropless gather), all-to-all ``dispatch``, ``experts`` (grouped GEMMs over the rows each
+          local expert really receives), all-to-all ``combine``, ``unpermute`` (``sec,ecm->sm``, or
+          the weighted scatter), ``shared_experts`` | dense: ``mlp``.
+backward  mirrored in reverse: GEMMs cost their input-gradient plus weight-gradient GEMMs (about
+          twice the forward FLOPs), the attention core 2.5x forward (FlashAttention-2's backward),
+          the all-to-alls again (gradient of combine runs in the dispatch direction, gradient of
+          dispatch in the combine direction). Activation checkpointing recomputes each layer's
+          forward, all-to-alls included, before its backward.
+gradients ``GradReady`` hands a layer's gradients to the comm stream (bucketed by the engine):
+          non-expert over the data-parallel group, expert over the expert-data-parallel group;
+          ZeRO-0 all-reduces after the last backward, ZeRO-1 reduce-scatters during the last
+          micro-batch's backward, ZeRO-2/3 during every backward (DeepSpeed's partitioned
+          gradients); ZeRO-3 also all-gathers each layer's parameters before its forward and
+          backward (one layer of prefetch).
+tail      wait for the comm stream, the optimizer (fused Adam on the GPU, or offloaded: gradients
+          over PCIe, DeepSpeedCPUAdam, parameters back), then ZeRO-1/2's parameter all-gather.
+
+Span names are Megatron-Core's (``attention``, ``route``, ``dispatch``, ``experts``, ``combine``,
+``grad_sync``, ``optimizer``) so that simulated spans and hw_validate's timed regions match.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from sim.costs import BYTES_PER_ELEMENT, CostModel, cpu_adam_time
+from sim.flops import (
+    attention_core_flops,
+    attention_gemms,
+    dense_ffn_gemms,
+    expert_gemms,
+    lm_head_gemm,
+    router_gemm,
+    shared_expert_gemms,
+)
+from sim.modelspec import count_params, layer_params
+from sim.routing import RoutingPlan
+from sim.scenario import Scenario
+
+#: FlashAttention-2 backward: 5 matmuls against the forward's 2, i.e. 2.5x the forward FLOPs.
+ATTENTION_BWD_FACTOR = 2.5
+COMPUTE_NAMES = (
+    "embedding", "attention", "route", "permute", "experts", "unpermute", "shared_experts", "mlp", "output",
+)  # fmt: skip
+
+
+@dataclass
+class Compute:
+    """Kernels run back to back on the compute stream: ``durs[i, r]`` seconds of ``names[i]`` on rank r."""
+
+    names: list[str]
+    durs: np.ndarray
+    flops: np.ndarray
+    phase: str
+    layer: int
+    micro: int
+
+    @property
+    def total(self) -> np.ndarray:
+        return self.durs.sum(axis=0)
+
+
+@dataclass
+class AllToAll:
+    """An all-to-all over every EP group at once; ``direction`` picks the DAG's direction."""
+
+    name: str  # dispatch | combine
+    direction: str  # dispatch | combine (the data's direction)
+    moe: int
+    layer: int
+    micro: int
+    phase: str
+
+
+@dataclass
+class GradReady:
+    """Gradients of ``layer`` are ready for reduction: parameters per rank (non-expert, local expert)."""
+
+    layer: int
+    nonexpert: int
+    expert: int
+    flush: bool = False  # the last gradients of this backward: reduce what is left in the buckets
+    blocking: bool = False  # overlap_comm off: the compute stream waits until the reduction ends
+
+
+@dataclass
+class Gather:
+    """ZeRO-3: start the all-gather of ``layer``'s parameters on the comm stream (prefetch)."""
+
+    key: tuple
+    nonexpert: int
+    expert: int
+
+
+@dataclass
+class WaitGather:
+    key: tuple
+
+
+@dataclass
+class Tail:
+    """End of the step: optimizer and parameter all-gathers (seconds / parameters per rank)."""
+
+    optimizer_s: np.ndarray
+    offload_bytes: float  # each way over PCIe per rank (0 without offload)
+    cpu_adam_s: float
+    gather_nonexpert: int  # ZeRO-1/2 post-step all-gather, parameters per rank's partition x group
+    gather_expert: int
+
+
+@dataclass
+class Schedule:
+    ops: list
+    tail: Tail
+    world: int
+    grad_kind: str  # all_reduce | reduce_scatter
+    grad_bytes_per_param: int
+    param_bytes_per_param: int
+    model_flops: float  # useful training FLOPs of the step, all ranks (6N + attention, for MFU)
+    stats: dict = field(default_factory=dict)
+
+
+class _Builder:
+    def __init__(self, s: Scenario, plan: RoutingPlan | None, cost: CostModel, factor: np.ndarray):
+        self.s, self.plan, self.cost, self.factor = s, plan, cost, factor
+        m, t = s.model, s.training
+        self.m, self.dt, self.bpe = m, t.dtype, BYTES_PER_ELEMENT[t.dtype]
+        self.world = s.world_size
+        self.T = s.tokens_per_micro_batch
+        self.ops: list = []
+        self._cache: dict = {}
+
+    # ---- kernel blocks (forward, backward) as (world,) arrays --------------------------------
+    def _full(self, x: float) -> np.ndarray:
+        return np.full(self.world, float(x))
+
+    def _gemms(self, gemms, rows: float | np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        fwd, bwd, fl = np.zeros(self.world), np.zeros(self.world), np.zeros(self.world)
+        r = np.broadcast_to(np.asarray(rows, dtype=np.float64), (self.world,))
+        for g in gemms:
+            f, b = self.cost.gemm_train_times(r, g.n, g.k, self.dt)
+            fwd, bwd, fl = fwd + f, bwd + b, fl + 2.0 * r * g.n * g.k
+        return fwd, bwd, fl
+
+    def _mem(self, nbytes: float | np.ndarray, kernels: int = 1) -> np.ndarray:
+        nb = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), (self.world,))
+        return np.where(nb > 0, nb / self.cost.hbm_Bps + kernels * self.cost.launch_s, 0.0)
+
+    def block(self, name: str, moe: int | None, micro: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(forward s, backward s, forward FLOPs) of one named block on every rank."""
+        key = (name, moe if name in ("permute", "experts", "unpermute") else None, micro)
+        if key[1] is None:
+            key = (name, None, 0)
+        if key not in self._cache:
+            self._cache[key] = self._block(name, moe, micro)
+        return self._cache[key]
+
+    def _block(self, name: str, moe: int | None, micro: int):
+        m, T, bpe, d = self.m, self.T, self.bpe, self.m.hidden_size
+        norm = self._mem(2 * T * d * bpe)
+        if name == "embedding":
+            e = self._mem(2 * T * d * bpe)
+            return e, e, np.zeros(self.world)
+        if name == "attention":
+            f, b, fl = self._gemms(attention_gemms(m), T)
+            core = attention_core_flops(m, self.s.training.seq_len) * self.s.training.micro_batch_size
+            io = 4 * T * m.num_attention_heads * m.head_size * bpe
+            cf = self.cost.attention_time(core, io, self.dt)
+            cb = self.cost.attention_time(ATTENTION_BWD_FACTOR * core, 2 * io, self.dt)
+            extra = norm + self._mem(3 * T * d * bpe, kernels=2)  # rope, residual
+            return f + cf + extra, b + cb + 2 * extra, fl + core
+        if name == "mlp":
+            f, b, fl = self._gemms(dense_ffn_gemms(m), T)
+            return f + norm, b + 2 * norm, fl
+        if name == "shared_experts":
+            f, b, fl = self._gemms(shared_expert_gemms(m), T)
+            return f, b, fl
+        if name == "route":
+            f, b, fl = self._gemms([router_gemm(m)], T)
+            topk = self._mem(3 * T * m.num_experts * 4, kernels=3)  # softmax/sigmoid, top-k, aux loss
+            return f + norm + topk, b + 2 * norm + topk, fl
+        if name == "output":
+            f, b, fl = self._gemms([lm_head_gemm(m)], T)
+            ce = self._mem(2 * T * m.vocab_size * 4, kernels=2)
+            return f + norm + ce, b + norm + ce, fl
+        assert self.plan is not None and moe is not None
+        plan = self.plan
+        if name == "experts":
+            rows = plan.expert_load(moe, micro)  # (world, experts_per_rank)
+            f, b, fl = np.zeros(self.world), np.zeros(self.world), np.zeros(self.world)
+            width = m.moe_ffn_hidden_size or d
+            for e in range(rows.shape[1]):
+                fe, be, fle = self._gemms(expert_gemms(m), rows[:, e])
+                act = self._mem(rows[:, e] * width * bpe * (3 if m.ffn_type == "gated" else 2))
+                f, b, fl = f + fe + act, b + be + 2 * act, fl + fle
+            return f, b, fl
+        if plan.padded is not None:  # DeepSpeed einsum dispatch / combine over E x C slots
+            c = np.repeat(plan.padded[moe, micro].astype(np.float64), self.s.ep)
+            slots = m.num_experts * c
+            if name == "permute":  # sec,sm->ecm : [E*C, S] @ [S, d]; backward: input gradient only
+                f = self._gemm_rows(slots, d, T)
+                return f, f, 2.0 * slots * d * T
+            f = self._gemm_rows(np.full(self.world, float(T)), d, slots)  # sec,ecm->sm
+            return f, 2 * f, 2.0 * slots * d * T
+        copies = plan.kept[moe, micro].sum(axis=1).astype(np.float64)  # token copies this rank sends
+        gathered = self._mem(2 * copies * d * bpe)  # permute: gather rows; unpermute: weighted scatter
+        return gathered, gathered, np.zeros(self.world)
+
+    def _gemm_rows(self, rows: np.ndarray, n: float, k: np.ndarray | float) -> np.ndarray:
+        out = np.zeros(self.world)
+        kk = np.broadcast_to(np.asarray(k, dtype=np.float64), (self.world,))
+        for val in np.unique(kk):
+            sel = kk == val
+            out[sel] = self.cost.gemm_times(rows[sel], n, float(val), self.dt)
+        return out
+
+    # ---- op emission ------------------------------------------------------------------------
+    def compute(self, parts: list[tuple[str, int | None]], phase: str, layer: int, micro: int) -> None:
+        names, durs, flops = [], [], []
+        for name, moe in parts:
+            f, b, fl = self.block(name, moe, micro)
+            if not np.any(f if phase != "bwd" else b) and name not in ("embedding",):
+                continue
+            names.append(name)
+            durs.append((b if phase == "bwd" else f) * self.factor)
+            flops.append(fl * (2.0 if phase == "bwd" else 1.0))
+        if names:
+            self.ops.append(Compute(names, np.stack(durs), np.stack(flops), phase, layer, micro))
+
+    def layer_forward(self, i: int, moe: int | None, micro: int, phase: str) -> None:
+        m = self.m
+        if moe is None:
+            self.compute([("attention", None), ("mlp", None)], phase, i, micro)
+            return
+        self.compute([("attention", None), ("route", None), ("permute", moe)], phase, i, micro)
+        self.ops.append(AllToAll("dispatch", "dispatch", moe, i, micro, phase))
+        self.compute([("experts", moe)], phase, i, micro)
+        self.ops.append(AllToAll("combine", "combine", moe, i, micro, phase))
+        tail = [("unpermute", moe)] + ([("shared_experts", None)] if m.num_shared_experts else [])
+        self.compute(tail, phase, i, micro)
+
+    def layer_backward(self, i: int, moe: int | None, micro: int) -> None:
+        m = self.m
+        if moe is None:
+            self.compute([("mlp", None), ("attention", None)], "bwd", i, micro)
+            return
+        head = [("unpermute", moe)] + ([("shared_experts", None)] if m.num_shared_experts else [])
+        self.compute(head, "bwd", i, micro)
+        self.ops.append(AllToAll("combine", "dispatch", moe, i, micro, "bwd"))
+        self.compute([("experts", moe)], "bwd", i, micro)
+        self.ops.append(AllToAll("dispatch", "combine", moe, i, micro, "bwd"))
+        self.compute([("permute", moe), ("route", None), ("attention", None)], "bwd", i, micro)
+
+
+def build_schedule(s: Scenario, plan: RoutingPlan | None, cost: CostModel, compute_factor: np.ndarray) -> Schedule:
+    """The ops of one step of scenario ``s`` (see the module docstring)."""
+    b = _Builder(s, plan, cost, compute_factor)
+    m, t = s.model, s.training
+    stage, micros = s.parallelism.zero_stage, t.grad_accum_steps
+    moe_index, k = [], 0
+    for i in range(m.num_layers):
+        moe_index.append(k if m.is_moe_layer(i) else None)
+        k += int(m.is_moe_layer(i))
+    lp = [layer_params(m, i) for i in range(m.num_layers)]
+    epr = s.experts_per_rank
+    ne = [p.non_expert for p in lp]
+    ex = [p.expert_each * epr for p in lp]
+    counts = count_params(m)
+    emb = counts.embedding
+    overlap = s.collectives.overlap_comm
+    for micro in range(micros):
+        reduce_now = (stage >= 2) or (stage == 1 and micro == micros - 1)
+        layer_keys = [("layer", micro, "fwd", i) for i in range(m.num_layers)]
+        if stage == 3:
+            b.ops.append(Gather(layer_keys[0], ne[0] + emb, ex[0]))
+        b.compute([("embedding", None)], "fwd", -1, micro)
+        for i in range(m.num_layers):
+            if stage == 3:
+                if i + 1 < m.num_layers:
+                    b.ops.append(Gather(layer_keys[i + 1], ne[i + 1], ex[i + 1]))
+                b.ops.append(WaitGather(layer_keys[i]))
+            b.layer_forward(i, moe_index[i], micro, "fwd")
+        b.compute([("output", None)], "fwd", m.num_layers, micro)
+        b.compute([("output", None)], "bwd", m.num_layers, micro)
+        bkeys = [("layer", micro, "bwd", i) for i in range(m.num_layers)]
+        if stage == 3:
+            b.ops.append(Gather(bkeys[-1], ne[-1], ex[-1]))
+        for i in reversed(range(m.num_layers)):
+            if stage == 3:
+                if i > 0:
+                    b.ops.append(Gather(bkeys[i - 1], ne[i - 1], ex[i - 1]))
+                b.ops.append(WaitGather(bkeys[i]))
+            if t.activation_checkpointing:
+                b.layer_forward(i, moe_index[i], micro, "recompute")
+            b.layer_backward(i, moe_index[i], micro)
+            if reduce_now:
+                b.ops.append(GradReady(i, ne[i], ex[i], blocking=not overlap))
+        b.compute([("embedding", None)], "bwd", -1, micro)
+        if reduce_now:
+            b.ops.append(GradReady(-1, emb, 0, flush=True, blocking=not overlap))
+    if stage == 0:
+        b.ops.append(GradReady(-1, sum(ne) + emb, sum(ex), flush=True))
+    dp, edp = s.dp, s.edp
+    ne_total, ex_total = sum(ne) + emb + counts.mtp, sum(ex)
+    opt_params = (-(-ne_total // dp) + -(-ex_total // edp)) if stage >= 1 else ne_total + ex_total
+    offload = t.offload_optimizer == "cpu"
+    cal = cost.calibration
+    rate = (
+        cal.cpu_adam_Gparams_per_s
+        if cal is not None and cal.cpu_adam_Gparams_per_s is not None
+        else s.topology.node.cpu.adam_Gparams_per_s
+    )
+    tail = Tail(
+        optimizer_s=np.zeros(s.world_size) if offload else np.full(s.world_size, cost.optimizer_time(opt_params)),
+        offload_bytes=float(opt_params * b.bpe) if offload else 0.0,
+        cpu_adam_s=cpu_adam_time(opt_params, s.gpus_per_node, rate) if offload else 0.0,
+        gather_nonexpert=ne_total if stage in (1, 2) else 0,
+        gather_expert=ex_total if stage in (1, 2) else 0,
+    )
+    from sim.flops import model_flops_per_token
+
+    tokens = s.global_batch_size * t.seq_len
+    return Schedule(
+        ops=b.ops,
+        tail=tail,
+        world=s.world_size,
+        grad_kind="all_reduce" if stage == 0 else "reduce_scatter",
+        grad_bytes_per_param=b.bpe,
+        param_bytes_per_param=b.bpe,
+        model_flops=model_flops_per_token(m, t.seq_len) * tokens,
+        stats={"optimizer_params_per_rank": int(opt_params)},
+    )
+
+
+__all__ = ["AllToAll", "Compute", "Gather", "GradReady", "Schedule", "Tail", "WaitGather", "build_schedule"]
