@@ -4,9 +4,8 @@ Mean-field: every compute op takes its mean over ranks (so the most loaded rank 
 pace, which is exactly what the DES adds); every all-to-all takes the alpha-beta estimate of the
 EP-group-mean byte matrix on one group alone (busiest link's serialisation + latency chain,
 :func:`~sim.collectives_analytic.estimate_time_s`; no contention between groups); gradient buckets
-overlap the backward that produces them: per backward, ``max(last bucket, comm - backward)`` is
-exposed (ZeRO-2 reductions of earlier micro-batches may also hide behind the next forward); ZeRO-0
-reduces after the backward, all exposed. Optimizer and ZeRO gathers as the engine times them.
+and ZeRO-3 gathers run on a comm-stream clock (a bucket starts when it is full and the stream is
+free), and what the compute clock must wait for is exposed. Optimizer and ZeRO gathers as the engine times them.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import numpy as np
 from sim.collectives import all_to_all_dag, reduction_dag
 from sim.collectives_analytic import estimate_time_s
 from sim.comm import group_node_bytes
-from sim.schedule import AllToAll, Compute, Gather, GradReady, Schedule
+from sim.schedule import AllToAll, Compute, Gather, GradReady, Schedule, WaitGather
 
 
 def analytic_step(s, sched: Schedule, plan, cluster, cost) -> dict[str, Any]:
@@ -67,46 +66,48 @@ def analytic_step(s, sched: Schedule, plan, cluster, cost) -> dict[str, Any]:
     acc = [0.0, 0.0]
     edp_group = s.edp_groups()[0]
     dp_group = list(range(s.world_size))
-    bwd_comm, bwd_time, last_bucket = 0.0, 0.0, 0.0
-    pending_hide = 0.0  # comm of a finished backward that may hide behind the next forward
+    clock = comm_free = 0.0  # compute-stream clock; when the comm stream is next free
+    gathers: dict[tuple, float] = {}
+
+    def on_comm(t: float) -> float:
+        nonlocal comm_free, grad_total
+        comm_free = max(clock, comm_free) + t
+        grad_total += t
+        return comm_free
+
+    def wait_until(t_end: float) -> None:
+        nonlocal clock, exposed
+        if t_end > clock:
+            exposed += t_end - clock
+            clock = t_end
+
     for op in sched.ops:
         if isinstance(op, Compute):
             dt = float(op.total.mean())
             compute += dt
-            if op.phase == "bwd":
-                bwd_time += dt
-            elif pending_hide > 0:
-                hidden = min(pending_hide, dt)
-                pending_hide -= hidden
+            clock += dt
         elif isinstance(op, AllToAll):
             t = a2a_time(op)
             a2a += t
-            if op.phase == "bwd":
-                bwd_time += t
+            clock += t
         elif isinstance(op, GradReady):
             acc[0] += op.nonexpert * bpe
             acc[1] += op.expert * bpe
+            end = clock
             for which, g in ((0, dp_group), (1, edp_group)):
-                if acc[which] >= bucket or (op.flush and acc[which] > 0):
-                    t = red_time(sched.grad_kind, g, acc[which])
-                    grad_total += t
-                    bwd_comm += t
-                    last_bucket = t
+                if len(g) <= 1:
                     acc[which] = 0.0
-            if op.flush:
-                if op.blocking or s.parallelism.zero_stage == 0:
-                    exposed += bwd_comm
-                else:
-                    exposed += pending_hide  # earlier backward's comm that did not hide
-                    pending_hide = max(last_bucket, bwd_comm - bwd_time)
-                bwd_comm = bwd_time = 0.0
+                elif acc[which] >= bucket or (op.flush and acc[which] > 0):
+                    end = on_comm(red_time(sched.grad_kind, g, acc[which]))
+                    acc[which] = 0.0
+            if op.blocking:
+                wait_until(end)
         elif isinstance(op, Gather):
-            t = red_time("all_gather", dp_group, op.nonexpert * bpe) + red_time(
-                "all_gather", edp_group, op.expert * bpe
-            )
-            grad_total += t
-            exposed += max(0.0, t - 0.0)  # one layer of prefetch: counted exposed (upper bound)
-    exposed += pending_hide
+            on_comm(red_time("all_gather", dp_group, op.nonexpert * bpe))
+            gathers[op.key] = on_comm(red_time("all_gather", edp_group, op.expert * bpe))
+        elif isinstance(op, WaitGather):
+            wait_until(gathers.pop(op.key))
+    wait_until(comm_free)
     tail = sched.tail
     if tail.offload_bytes:
         pcie = s.topology.node.pcie_host

@@ -276,13 +276,14 @@ def build_schedule(s: Scenario, plan: RoutingPlan | None, cost: CostModel, compu
     ne = [p.non_expert for p in lp]
     ex = [p.expert_each * epr for p in lp]
     counts = count_params(m)
-    emb = counts.embedding
+    head = (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size) + counts.norms - sum(p.norms for p in lp)
+    emb = counts.embedding + counts.norms - sum(p.norms for p in lp) - head  # input table (+ tied head)
     overlap = s.collectives.overlap_comm
     for micro in range(micros):
         reduce_now = (stage >= 2) or (stage == 1 and micro == micros - 1)
         layer_keys = [("layer", micro, "fwd", i) for i in range(m.num_layers)]
         if stage == 3:
-            b.ops.append(Gather(layer_keys[0], ne[0] + emb, ex[0]))
+            b.ops.append(Gather(layer_keys[0], ne[0] + emb + head, ex[0]))  # embeddings and head too
         b.compute([("embedding", None)], "fwd", -1, micro)
         for i in range(m.num_layers):
             if stage == 3:
@@ -292,9 +293,11 @@ def build_schedule(s: Scenario, plan: RoutingPlan | None, cost: CostModel, compu
             b.layer_forward(i, moe_index[i], micro, "fwd")
         b.compute([("output", None)], "fwd", m.num_layers, micro)
         b.compute([("output", None)], "bwd", m.num_layers, micro)
+        if reduce_now and head:
+            b.ops.append(GradReady(m.num_layers, head, 0, blocking=not overlap))
         bkeys = [("layer", micro, "bwd", i) for i in range(m.num_layers)]
         if stage == 3:
-            b.ops.append(Gather(bkeys[-1], ne[-1], ex[-1]))
+            b.ops.append(Gather(bkeys[-1], ne[-1] + head, ex[-1]))
         for i in reversed(range(m.num_layers)):
             if stage == 3:
                 if i > 0:
@@ -309,9 +312,9 @@ def build_schedule(s: Scenario, plan: RoutingPlan | None, cost: CostModel, compu
         if reduce_now:
             b.ops.append(GradReady(-1, emb, 0, flush=True, blocking=not overlap))
     if stage == 0:
-        b.ops.append(GradReady(-1, sum(ne) + emb, sum(ex), flush=True))
+        b.ops.append(GradReady(-1, sum(ne) + emb + head, sum(ex), flush=True))
     dp, edp = s.dp, s.edp
-    ne_total, ex_total = sum(ne) + emb + counts.mtp, sum(ex)
+    ne_total, ex_total = sum(ne) + emb + head + counts.mtp, sum(ex)
     opt_params = (-(-ne_total // dp) + -(-ex_total // edp)) if stage >= 1 else ne_total + ex_total
     offload = t.offload_optimizer == "cpu"
     cal = cost.calibration
