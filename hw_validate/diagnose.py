@@ -77,7 +77,8 @@ def innermost_frame(lines: list[str]) -> str | None:
     return None
 
 
-def read_states(run_dir: Path, nproc: int, n_lines: int = 20) -> list[RankState]:
+def read_states(run_dir: Path, nproc: int, n_lines: int = 20, logs: bool = True) -> list[RankState]:
+    """Exit records, heartbeats and (when ``logs``) the last ``n_lines`` log lines of every rank."""
     out = []
     for r in range(nproc):
         s = RankState(rank=r)
@@ -87,8 +88,9 @@ def read_states(run_dir: Path, nproc: int, n_lines: int = 20) -> list[RankState]
         hb = _json(run_dir / "status" / f"rank{r}.json")
         if hb:
             s.step, s.beat_at, s.pid = hb.get("step"), hb.get("time"), hb.get("pid")
-        s.last_lines = tail(run_dir / "logs" / f"rank{r}.log", n_lines)
-        s.top_frame = innermost_frame(tail(run_dir / "logs" / f"rank{r}.log", 200))
+        if logs:
+            s.last_lines = tail(run_dir / "logs" / f"rank{r}.log", n_lines)
+            s.top_frame = innermost_frame(tail(run_dir / "logs" / f"rank{r}.log", 200))
         out.append(s)
     return out
 
@@ -134,8 +136,8 @@ def explain_exit(states: list[RankState], launcher_rc: int, run_dir: Path) -> tu
     return bad.rank, msg
 
 
-def explain_timeout(states: list[RankState], timeout_s: float, run_dir: Path) -> tuple[int | None, str]:
-    """(suspected rank or None, message) for a job that ran past ``timeout_s``."""
+def explain_timeout(states: list[RankState], reason: str, run_dir: Path) -> tuple[int | None, str]:
+    """(suspected rank or None, message) for a job that ran too long or stalled (``reason`` says which)."""
     now = time.time()
     suspects = [s for s in states if s.top_frame is not None and not s.in_collective]
     if not suspects:
@@ -148,7 +150,7 @@ def explain_timeout(states: list[RankState], timeout_s: float, run_dir: Path) ->
         where = "waiting in a collective" if s.in_collective else (f"in {s.top_frame}" if s.top_frame else "no stack dump")
         parts.append(f"  rank {s.rank}: last step started {s.step if s.step is not None else '-'} (heartbeat {beat}), {where}")
     sus = suspects[0] if suspects else None
-    msg = f"job timed out after {timeout_s:g} s" + (f"; rank {sus.rank} looks hung {_where(sus)}" if sus else "")
+    msg = reason + (f"; rank {sus.rank} looks hung {_where(sus)}" if sus else "")
     msg += "\n" + "\n".join(parts)
     for s in [sus] if sus else states:
         lines = "\n".join(f"    {line}" for line in s.last_lines) or "    (no output)"

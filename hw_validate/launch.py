@@ -15,7 +15,8 @@ The job runs in a fresh staging folder ``OUT/.staging-*``; each rank runs under
 result files exist are they moved into ``OUT`` (trace first, then measurement; logs to
 ``OUT/logs``). Otherwise nothing in ``OUT`` is touched except a new ``OUT/failed-<time>/`` with the
 logs, and :class:`JobError` names the rank that died (its exit status, step and last log lines) or,
-after ``--timeout``, the rank that looks hung (heartbeats and ``faulthandler`` stacks, taken by
+after ``--timeout`` (or ``--stall-timeout`` seconds in which no rank started a new step, counted once
+every rank has started stepping), the rank that looks hung (heartbeats and ``faulthandler`` stacks, taken by
 sending SIGUSR1 before the job's process group is stopped).
 
 Exit status of the CLI: 0 ok; 2 bad input (scenario, rank count); 1 the job failed or timed out.
@@ -90,7 +91,7 @@ def build_command(launcher: str, nproc: int, script_args: list[str], master_port
 
 
 def _pump(stream, log_path: Path, echo: bool, keep: collections.deque) -> None:
-    with open(log_path, "wb") as log:
+    with stream, open(log_path, "wb") as log:
         for line in iter(stream.readline, b""):
             log.write(line)
             log.flush()
@@ -124,6 +125,25 @@ def _dump_stacks(states) -> None:
                 os.kill(s.pid, signal.SIGUSR1)
 
 
+def _supervise(
+    proc: subprocess.Popen, run_dir: Path, nproc: int, t0: float, timeout_s: float, stall_timeout_s: float | None
+) -> tuple[int | None, str]:
+    """Wait for the job; (returncode, "") when it ended, (None, reason) when it ran too long or stalled."""
+    while True:
+        try:
+            return proc.wait(timeout=0.5), ""
+        except subprocess.TimeoutExpired:
+            pass
+        if time.monotonic() - t0 > timeout_s:
+            return None, f"job timed out after {timeout_s:g} s"
+        if stall_timeout_s is not None:
+            beats = [(s.step, s.beat_at) for s in read_states(run_dir, nproc, logs=False)]
+            if all(step is not None and at is not None for step, at in beats):
+                newest = max(at for _, at in beats)
+                if time.time() - newest > stall_timeout_s:
+                    return None, f"job stalled: no rank started a step for {stall_timeout_s:g} s"
+
+
 def run_job(
     scenario_path: str | Path,
     nproc: int | None = None,
@@ -135,6 +155,7 @@ def run_job(
     extra_args: list[str] | tuple[str, ...] = (),
     env: dict[str, str] | None = None,
     echo: bool = True,
+    stall_timeout_s: float | None = None,
 ) -> JobResult:
     """Run the scenario's DeepSpeed job on ``nproc`` local ranks; raise :class:`JobError` if it fails."""
     scen = load_scenario(scenario_path, list(overrides))
@@ -177,15 +198,16 @@ def run_job(
     pump = threading.Thread(target=_pump, args=(proc.stdout, staging / "job.log", echo, keep), daemon=True)
     pump.start()
     try:
-        rc = proc.wait(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _dump_stacks(read_states(staging, nproc))
-        time.sleep(2.0)
-        states = read_states(staging, nproc, n_lines=25)
-        _stop_group(proc)
-        pump.join(timeout=5)
-        rank, msg = explain_timeout(states, timeout_s, _keep_failed(staging, out))
-        raise JobError(msg, rank=rank, run_dir=staging, returncode=None) from None
+        rc, why = _supervise(proc, staging, nproc, t0, timeout_s, stall_timeout_s)
+        if rc is None:
+            _dump_stacks(read_states(staging, nproc))
+            time.sleep(2.0)
+            states = read_states(staging, nproc, n_lines=25)
+            _stop_group(proc)
+            pump.join(timeout=5)
+            failed = _keep_failed(staging, out)
+            rank, msg = explain_timeout(states, why, failed)
+            raise JobError(msg, rank=rank, run_dir=failed, returncode=None)
     except BaseException:
         _stop_group(proc)
         raise
@@ -234,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", default=None, help="result folder (default runs/<scenario>)")
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds before the job counts as hung")
+    ap.add_argument("--stall-timeout", type=float, default=None, help="seconds without a new step (once all ranks stepped)")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="K=V")
     ap.add_argument("--quiet", action="store_true", help="do not echo the job's output")
     ap.add_argument("extra", nargs="*", help="after --: more train_moe.py arguments (e.g. --init upcycle ...)")
@@ -241,7 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         res = run_job(
             args.scenario, args.nproc, args.out, args.steps, args.overrides, args.timeout,
-            args.launcher, args.extra, echo=not args.quiet,
+            args.launcher, args.extra, echo=not args.quiet, stall_timeout_s=args.stall_timeout,
         )  # fmt: skip
     except InputError as exc:
         print(f"launch: error: {exc}", file=sys.stderr)

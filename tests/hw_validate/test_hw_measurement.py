@@ -95,5 +95,5 @@ def test_hung_rank_is_the_one_outside_a_collective(tmp_path):
     assert innermost_frame(dump_busy) == "/r/hw_validate/train_moe.py:90 in inject_fault"
     _rank_files(tmp_path, 0, None, 5.0, 2, dump_wait)
     _rank_files(tmp_path, 1, None, 5.0, 2, dump_busy)
-    rank, msg = explain_timeout(read_states(tmp_path, 2), 30, tmp_path)
-    assert rank == 1 and "rank 1 looks hung at step 2" in msg and "rank 0" in msg and "waiting in a collective" in msg
+    rank, msg = explain_timeout(read_states(tmp_path, 2), "job timed out after 30 s", tmp_path)
+    assert rank == 1 and msg.startswith("job timed out after 30 s; rank 1 looks hung at step 2") and "rank 0" in msg and "waiting in a collective" in msg
