@@ -28,7 +28,7 @@ Format (``format: moesim.measurement``, ``version: 1``; seconds everywhere; writ
         "per_step": {"<phase>": [[rank0, rank1, ...], ...]},      # [step][rank], every step
         "summary": {"<phase>": {"median", "p10", "p90", "iqr", "mean", "min", "max", "n"}},
         "summary_rank_mean": {...same keys...},
-        "comm_bytes_per_step": {"a2a_fwd": [[...]], ...},        # [step][rank], largest buffer per call
+        "comm_bytes_per_step": {"dispatch": [[...]], ...},       # [step][rank], largest buffer per call
         "comm_calls_per_step": {...}, "async_calls": 0
       },
       "loss": {"per_step": [...], "aux_per_step": [...]},         # CE mean over ranks and micro-batches

@@ -5,28 +5,32 @@ step is resolved after one ``torch.cuda.synchronize()`` at its end (no sync insi
 CPU ranks a boundary is ``time.perf_counter()`` (CPU ops are synchronous, so the wall clock brackets
 the work). Steps start after a ``dist.barrier()`` so that every rank's step clock starts together.
 
-Phases per step (seconds, summed over micro-batches and layers of one rank):
+Phases per step (seconds, summed over micro-batches and layers of one rank). The forward names are
+:mod:`sim.schedule`'s span names one to one:
 
-``attention``   forward of every block's self-attention (module hooks, pre -> post).
-``route``       the MoE gate: router GEMM, softmax, top-k, capacity (``TopKGate.forward``).
-``dispatch``    gate end -> experts start: DeepSpeed's dispatch encode plus the dispatch all-to-all.
-``experts``     the local experts' forward (``Experts.forward``).
-``combine``     experts end -> MoE layer end: the combine all-to-all plus the weighted decode.
-``mlp``         dense FFN layers and shared experts (forward).
-``forward``     the whole ``engine(tokens)`` call incl. embedding, norms, head and loss.
-``a2a_fwd``     time inside ``all_to_all_single`` during forward (part of dispatch + combine).
-``forward_comm`` other collectives in forward (dropless capacity all-reduce MAX).
+``embedding``      the token embedding (module hooks, pre -> post).
+``attention``      every block's self-attention.
+``route``          the MoE gate: router GEMM, softmax, top-k, capacity (``TopKGate.forward``).
+``permute``        gate end -> experts start, less ``dispatch``: DeepSpeed's dispatch encode.
+``dispatch``       time inside the dispatch ``all_to_all_single`` (0 when ep = 1).
+``experts``        the local experts' forward (``Experts.forward``).
+``combine``        time inside the combine ``all_to_all_single``.
+``unpermute``      experts end -> MoE layer end, less ``combine``: the weighted decode.
+``shared_experts`` shared experts' forward; ``mlp`` dense FFN layers; ``output`` the LM head.
+``forward``        the whole ``engine(tokens)`` call plus the loss.
+``forward_comm``   other collectives in forward (the dropless gate's capacity all-reduce MAX).
 ``attention_bwd``, ``experts_bwd``  backward of those modules (full backward hooks).
-``a2a_bwd``     time inside ``all_to_all_single`` during backward (gradients of dispatch and combine).
-``grad_sync``   time inside gradient collectives (all-reduce / reduce-scatter / reduce) during
-                ``engine.backward``: ZeRO-1/2 reduce gradient buckets from backward hooks, so
-                this is the exposed reduction time; on CPU ranks gloo calls are blocking, so it is
-                the whole reduction. Calls made with ``async_op=True`` count their launch only
-                (counted in ``async_calls``).
-``backward``    the whole ``engine.backward(loss)`` call (incl. ``grad_sync`` and ``a2a_bwd``).
+``combine_bwd``, ``dispatch_bwd``   time inside the backward all-to-alls (gradient of combine runs
+                   first, in the dispatch direction; gradient of dispatch after ``experts_bwd``).
+``grad_sync``      time inside gradient collectives (all-reduce / reduce-scatter / reduce) during
+                   ``engine.backward``: ZeRO-1/2 reduce gradient buckets from backward hooks, so
+                   this is the exposed reduction time; on CPU ranks gloo calls block, so it is the
+                   whole reduction. Calls made with ``async_op=True`` count their launch only
+                   (``async_calls`` counts them).
+``backward``       the whole ``engine.backward(loss)`` call (incl. ``grad_sync`` and the all-to-alls).
 ``optimizer_comm`` collectives inside ``engine.step()`` (ZeRO's all-gather of updated partitions).
-``optimizer``   the ``engine.step()`` calls (optimizer update, CPU offload copies, ``optimizer_comm``).
-``step``        barrier end -> last ``engine.step()`` end: the measured step time.
+``optimizer``      the ``engine.step()`` calls (update, CPU-offload copies, ``optimizer_comm``).
+``step``           barrier end -> last ``engine.step()`` end: the measured step time.
 """
 
 from __future__ import annotations
@@ -40,24 +44,31 @@ from typing import Any
 import torch
 
 PHASES = (
+    "embedding",
     "attention",
     "route",
+    "permute",
     "dispatch",
     "experts",
     "combine",
+    "unpermute",
+    "shared_experts",
     "mlp",
+    "output",
     "forward",
-    "a2a_fwd",
     "forward_comm",
     "attention_bwd",
     "experts_bwd",
-    "a2a_bwd",
+    "combine_bwd",
+    "dispatch_bwd",
     "grad_sync",
     "backward",
     "optimizer_comm",
     "optimizer",
     "step",
 )
+#: collectives counted (calls and bytes of the largest buffer) per step
+COMM_PHASES = ("dispatch", "combine", "forward_comm", "combine_bwd", "dispatch_bwd", "grad_sync", "optimizer_comm")
 _COMM_OPS = (
     "all_to_all_single",
     "all_reduce",
@@ -78,6 +89,7 @@ class StepTimer:
         self.cuda = device_type == "cuda"
         self.enabled = False
         self.region: str | None = None
+        self.moe_stage = "dispatch"  # which all-to-all comes next: dispatch/combine (fwd), *_bwd (bwd)
         self._spans: list[tuple[str, Any, Any]] = []
         self._open: dict[int, Any] = {}
         self.comm_bytes: dict[str, int] = defaultdict(int)
@@ -113,10 +125,13 @@ class StepTimer:
         if self.cuda:
             torch.cuda.synchronize()
         out = dict.fromkeys(PHASES, 0.0)
+        out.update(_pre_experts=0.0, _post_experts=0.0)
         for phase, a, b in self._spans:
             dt = a.elapsed_time(b) / 1e3 if self.cuda else b - a
             out[phase] = out.get(phase, 0.0) + float(dt)
         self._spans.clear()
+        out["permute"] = max(0.0, out.pop("_pre_experts") - out["dispatch"])
+        out["unpermute"] = max(0.0, out.pop("_post_experts") - out["combine"])
         return out
 
     @contextmanager
@@ -124,6 +139,8 @@ class StepTimer:
         """Time a block as ``name``; ``region`` (forward/backward/optimizer) classifies collectives inside."""
         prev = self.region
         self.region = region if region is not None else prev
+        if region in ("forward", "backward"):
+            self.moe_stage = "dispatch" if region == "forward" else "combine_bwd"
         start = self.mark()
         try:
             yield
@@ -164,6 +181,20 @@ class StepTimer:
         else:
             second.register_forward_hook(self._post(key, phase))
 
+    def stage_after(self, module: torch.nn.Module, forward_stage: str | None, backward_stage: str | None) -> None:
+        """After ``module``'s forward (backward) the next all-to-all is ``forward_stage`` (``backward_stage``)."""
+
+        def fwd(*_a: Any) -> None:
+            self.moe_stage = forward_stage or self.moe_stage
+
+        def bwd(*_a: Any) -> None:
+            self.moe_stage = backward_stage or self.moe_stage
+
+        if forward_stage:
+            module.register_forward_hook(fwd)
+        if backward_stage:
+            module.register_full_backward_hook(bwd)
+
     # ---- collectives -------------------------------------------------------------------------
     def wrap_comm(self, backend: Any) -> None:
         """Time every collective of DeepSpeed's comm backend (``deepspeed.comm.comm.cdb``) by region."""
@@ -179,7 +210,7 @@ class StepTimer:
             if region is None:
                 return fn(*args, **kwargs)
             if name == "all_to_all_single":
-                phase = "a2a_bwd" if region == "backward" else "a2a_fwd"
+                phase = self._a2a_phase(region)
             else:
                 phase = {"backward": "grad_sync", "optimizer": "optimizer_comm"}.get(region, "forward_comm")
             start = self.mark()
@@ -194,6 +225,15 @@ class StepTimer:
         wrapper._moesim_timed = True  # type: ignore[attr-defined]
         return wrapper
 
+    def _a2a_phase(self, region: str) -> str:
+        """dispatch/combine in forward; in backward combine's gradient first, dispatch's after the experts."""
+        if region == "backward":
+            if self.moe_stage == "dispatch_bwd":
+                self.moe_stage = "combine_bwd"  # the next MoE layer down starts with its combine gradient
+                return "dispatch_bwd"
+            return "combine_bwd"
+        return "combine" if self.moe_stage == "combine" else "dispatch"
+
 
 def _largest_buffer(args: tuple, kwargs: dict) -> int:
     best = 0
@@ -206,9 +246,11 @@ def _largest_buffer(args: tuple, kwargs: dict) -> int:
 
 
 def install_model_hooks(model: torch.nn.Module, timer: StepTimer) -> None:
-    """Hooks for attention, route, dispatch, experts, combine and mlp on a :class:`MoETransformer`."""
+    """Hooks for every forward phase and the attention/expert backward on a :class:`MoETransformer`."""
     from hw_validate.model import MoEFFN
 
+    timer.time_module(model.embed, "embedding")
+    timer.time_module(model.head, "output")
     for block in model.blocks:
         if block.attn is not None:
             timer.time_module(block.attn, "attention", "attention_bwd")
@@ -216,10 +258,12 @@ def install_model_hooks(model: torch.nn.Module, timer: StepTimer) -> None:
         if isinstance(ffn, MoEFFN):
             layer = ffn.moe.deepspeed_moe
             timer.time_module(layer.gate, "route")
-            timer.time_between(layer.gate, layer.experts, "dispatch", pre=True)
+            timer.stage_after(layer.gate, "dispatch", None)
+            timer.time_between(layer.gate, layer.experts, "_pre_experts", pre=True)
             timer.time_module(layer.experts, "experts", "experts_bwd")
-            timer.time_between(layer.experts, layer, "combine", pre=False)
+            timer.stage_after(layer.experts, "combine", "dispatch_bwd")
+            timer.time_between(layer.experts, layer, "_post_experts", pre=False)
             for shared in ffn.shared:
-                timer.time_module(shared, "mlp")
+                timer.time_module(shared, "shared_experts")
         else:
             timer.time_module(ffn, "mlp")

@@ -126,7 +126,7 @@ def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps
     from hw_validate.model import build_model, count_params, init_experts
     from hw_validate.results import detect_launcher, finish
     from hw_validate.router_trace import RouterRecorder
-    from hw_validate.timing import PHASES, StepTimer, install_model_hooks
+    from hw_validate.timing import COMM_PHASES, PHASES, StepTimer, install_model_hooks
     from hw_validate.upcycle import ROUTER_STD, load_dense, upcycle_
 
     if not args.verbose:
@@ -197,7 +197,7 @@ def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps
     accum = scenario.training.grad_accum_steps
     vocab = m.vocab_size
     phase_rows, losses, aux_losses = [], [], []
-    comm_keys = ["a2a_fwd", "forward_comm", "a2a_bwd", "grad_sync", "optimizer_comm"]
+    comm_keys = list(COMM_PHASES)
     comm_bytes, comm_calls, async_calls = [], [], 0
     for step in range(steps):
         beat.beat(step, "step")
@@ -319,7 +319,8 @@ def _upcycle_check(engine, scenario: Scenario, blob: dict, task, rank: int, devi
 def _print_summary(path: Path) -> None:
     data = json.loads(path.read_text())
     s = data["timing"]["summary"]
-    keys = ("step", "forward", "attention", "route", "dispatch", "experts", "combine", "backward", "grad_sync", "optimizer")
+    keys = ("step", "forward", "attention", "route", "permute", "dispatch", "experts", "combine", "unpermute",
+            "backward", "grad_sync", "optimizer")  # fmt: skip
     print(f"median over {len(data['measured_steps'])} measured steps (slowest rank), seconds:")
     print("  " + "  ".join(f"{k} {s[k]['median']:.4f}" for k in keys if s[k]["median"] is not None))
     print(f"dropped fraction {data['routing']['dropped_fraction']:.4f}; wrote {path} and {path.parent / data['trace_file']}")

@@ -64,23 +64,25 @@ def test_measurement_records_environment_config_and_phases(cpu2_job):
     assert m["measured_steps"] == list(range(scen.training.warmup_steps, TRAIN_STEPS))
     t = m["timing"]
     ps = {k: np.asarray(v) for k, v in t["per_step"].items()}
-    for phase in ("attention", "route", "dispatch", "experts", "combine", "forward", "a2a_fwd", "attention_bwd",
-                  "experts_bwd", "a2a_bwd", "grad_sync", "backward", "optimizer", "step"):  # fmt: skip
+    for phase in ("embedding", "attention", "route", "permute", "dispatch", "experts", "combine", "unpermute",
+                  "output", "forward", "attention_bwd", "experts_bwd", "combine_bwd", "dispatch_bwd", "grad_sync",
+                  "backward", "optimizer", "step"):  # fmt: skip
         assert (ps[phase] > 0).all(), phase
-    assert (ps["mlp"] == 0).all()  # no dense FFN layers in this model
+    assert (ps["mlp"] == 0).all() and (ps["shared_experts"] == 0).all()  # none in this model
     tol = 1e-6
-    assert (ps["attention"] + ps["route"] + ps["dispatch"] + ps["experts"] + ps["combine"] <= ps["forward"] + tol).all()
-    assert (ps["a2a_fwd"] <= ps["dispatch"] + ps["combine"] + tol).all()
-    assert (ps["attention_bwd"] + ps["experts_bwd"] + ps["a2a_bwd"] + ps["grad_sync"] <= ps["backward"] + tol).all()
+    fwd_parts = ("embedding", "attention", "route", "permute", "dispatch", "experts", "combine", "unpermute", "output")
+    assert (sum(ps[k] for k in fwd_parts) <= ps["forward"] + tol).all()
+    bwd_parts = ("attention_bwd", "experts_bwd", "combine_bwd", "dispatch_bwd", "grad_sync")
+    assert (sum(ps[k] for k in bwd_parts) <= ps["backward"] + tol).all()
     assert (ps["forward"] + ps["backward"] + ps["optimizer"] <= ps["step"] + tol).all()
     worst = ps["step"][m["measured_steps"]].max(axis=1)
     assert t["summary"]["step"]["median"] == pytest.approx(float(np.median(worst)))
-    # all-to-all: 2 MoE layers x (dispatch + combine) per micro-batch, each E x C x d fp32 (padded)
+    # every all-to-all: one per MoE layer (2) and direction per micro-batch, E x C x d fp32 (padded)
     c, e, d = _top2_capacity(scen), scen.model.num_experts, scen.model.hidden_size
-    a2a_bytes = np.asarray(t["comm_bytes_per_step"]["a2a_fwd"])
-    assert (np.asarray(t["comm_calls_per_step"]["a2a_fwd"]) == 4).all()
-    assert (a2a_bytes == 4 * e * c * d * 4).all()
-    assert (np.asarray(t["comm_bytes_per_step"]["a2a_bwd"]) == a2a_bytes).all()
+    calls, nbytes = t["comm_calls_per_step"], t["comm_bytes_per_step"]
+    for name in ("dispatch", "combine", "combine_bwd", "dispatch_bwd"):
+        assert (np.asarray(calls[name]) == 2).all(), name
+        assert (np.asarray(nbytes[name]) == 2 * e * c * d * 4).all(), name
     # every local fp32 gradient is reduced once per step (dense over DP, experts over EDP)
     assert (np.asarray(t["comm_bytes_per_step"]["grad_sync"]) == 4 * cfg["params"]["total_local"]).all()
 
