@@ -84,6 +84,12 @@ class _Paths:
         seg_len = np.diff(np.r_[starts, len(self.links)])
         self.seg_start = np.repeat(starts, seg_len)
         self.larger = self.seg_start + np.repeat(seg_len, seg_len) - np.arange(len(self.links)) - 1
+        self._csum0 = np.zeros(len(self.links) + 1)
+        self.by_owner = np.argsort(self.owner, kind="stable")
+        counts = np.bincount(self.owner, minlength=self.n)
+        self.owner_starts = np.r_[0, np.cumsum(counts)[:-1]]
+        self.flow_bytes = np.zeros(self.n)  # bytes each flow carried so far (for link totals)
+        self.cluster = cluster
 
     def ps_times(self, nbytes: np.ndarray) -> np.ndarray:
         """:func:`~sim.collectives_analytic.ps_flow_times_s` on the cached paths: on every link the
@@ -94,12 +100,17 @@ class _Paths:
         key = self.link_rank + (size / (top * (1 + 1e-9)) if top > 0 else 0.0)
         order = np.argsort(key, kind="stable")
         sz = size[order]
-        csum = np.cumsum(sz)
-        served = csum - np.r_[0.0, csum][self.seg_start]
-        finish = (served + sz * self.larger) / self.bw
-        per_flow = np.zeros(self.n)
-        np.maximum.at(per_flow, self.owner[order], finish)
+        csum = self._csum0
+        np.cumsum(sz, out=csum[1:])
+        served = csum[1:] - csum[self.seg_start]
+        finish = np.empty(len(sz))
+        finish[order] = (served + sz * self.larger) / self.bw[order]  # back to by-link order
+        per_flow = np.maximum.reduceat(finish[self.by_owner], self.owner_starts)
+        self.flow_bytes += nbytes
         return np.where(nbytes > 0, per_flow + self.latency, 0.0)
+
+    def link_bytes(self) -> np.ndarray:
+        return np.bincount(self.links, weights=self.flow_bytes[self.owner], minlength=self.cluster.num_links)
 
 
 class Comm:
@@ -113,6 +124,7 @@ class Comm:
         self.link_bytes = np.zeros(cluster.num_links)
         self._est: dict[tuple, float] = {}
         self._path_cache: dict[tuple, _Paths] = {}
+        self._direct_paths: list[_Paths] = []
 
     def run(self, groups: list[list[int]], dags: list[TransferDag]) -> dict[int, simpy.Event | float]:
         """Start ``dags`` (one per group) now; rank -> event when its part is done (flow), or the
@@ -142,19 +154,21 @@ class Comm:
                 src.append(r[i])
                 dst.append(r[j])
                 sel.append((i, j))
-            hit = self._path_cache[("direct", gids)] = (
-                _Paths(self.cluster, np.concatenate(src), np.concatenate(dst)), sel
-            )
-        paths, sel = hit
+            paths = _Paths(self.cluster, np.concatenate(src), np.concatenate(dst))
+            ranks = np.concatenate([np.asarray(g, dtype=np.int64) for g in groups])
+            # per rank, the flows it sends or receives, as reduceat segments
+            ends = np.concatenate([paths.src, paths.dst])
+            by_rank = np.argsort(ends, kind="stable")
+            starts = np.searchsorted(ends[by_rank], ranks)
+            hit = self._path_cache[("direct", gids)] = (paths, sel, ranks, by_rank % paths.n, starts)
+            self._direct_paths.append(paths)
+        paths, sel, ranks, flow_of, starts = hit
         nb = np.concatenate([
             (p[i, j] if direction == "dispatch" else p[j, i]) for p, (i, j) in zip(pairs, sel, strict=True)
         ])  # fmt: skip
-        np.add.at(self.link_bytes, paths.links, nb[paths.owner])
         t = paths.ps_times(nb)
-        fin = np.zeros(self.cluster.world_size)
-        np.maximum.at(fin, paths.src, t)
-        np.maximum.at(fin, paths.dst, t)
-        return {r: float(fin[r]) for g in groups for r in g}
+        fin = np.maximum.reduceat(t[flow_of], starts) if len(t) else np.zeros(len(ranks))
+        return dict(zip(ranks.tolist(), fin.tolist(), strict=True))
 
     def _paths(self, src: np.ndarray, dst: np.ndarray) -> _Paths:
         key = (src.tobytes(), dst.tobytes())
@@ -217,7 +231,8 @@ class Comm:
         return {r: event_at(self.env, float(lat[i] + nbytes / bw[i])) for i, r in enumerate(ranks)}
 
     def total_link_bytes(self) -> np.ndarray:
-        return self.link_bytes + self.net.link_bytes
+        direct = sum((p.link_bytes() for p in self._direct_paths), np.zeros(self.cluster.num_links))
+        return self.link_bytes + self.net.link_bytes + direct
 
 
 def group_node_bytes(cluster: Cluster, group: list[int], node_matrix: np.ndarray) -> np.ndarray:

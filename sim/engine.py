@@ -82,6 +82,10 @@ class Engine:
         self.dp_group = list(range(self.world))  # the data-parallel group: every rank (no TP/PP)
         self._arrive: dict[tuple, list] = {}
         self._waiters: dict[tuple, list] = {}
+        self._group_waiters: dict[tuple, simpy.Event] = {}
+        self._sent_cache: dict[tuple, dict] = {}
+        node = np.arange(w) // cluster.gpus_per_node
+        self._cross = node[:, None] != node[None, :] if w <= 8192 else None
         self._launched: dict[tuple, float] = {}
         self._pending: dict[tuple, list[int]] = {}
         self._blocks: dict[tuple[int, int], list[tuple[np.ndarray, np.ndarray | None]]] = {}
@@ -92,6 +96,7 @@ class Engine:
         self._gather_done: dict[tuple, dict[int, simpy.Event]] = {}
         self.by_name: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(w))
         self._totals: dict[int, list[float]] = {}
+        self._total_arr: dict[int, np.ndarray] = {}
         self._compute_total = np.zeros(w)
         for i_op, op in enumerate(sched.ops):
             if isinstance(op, Compute):
@@ -100,6 +105,7 @@ class Engine:
                 tot = op.total
                 self._compute_total += tot
                 self._totals[i_op] = tot.tolist()
+                self._total_arr[i_op] = tot
         bpe = sched.grad_bytes_per_param
         self.bucket_bytes = s.collectives.reduce_bucket_elements * bpe
 
@@ -113,11 +119,19 @@ class Engine:
             hier = self.s.collectives.all_to_all == "hierarchical" and self.plan.padded is None
             node_m = self.plan.dispatch_node_tokens(op.moe, op.micro) * float(d * bpe) if hier else None
             out = []
-            for g in self.groups:
-                idx = np.asarray(g)
+            e = self.ep
+            for k, g in enumerate(self.groups):
                 nb = group_node_bytes(self.cluster, g, node_m) if node_m is not None else None
-                out.append((pair[np.ix_(idx, idx)], nb))
+                out.append((pair[k * e : (k + 1) * e, k * e : (k + 1) * e], nb))  # EP groups are contiguous
             self._blocks[key] = out
+            if node_m is None:  # per-rank sent / inter-node bytes of both directions, all groups at once
+                off = pair.copy()
+                np.fill_diagonal(off, 0.0)
+                cross = off * self._cross
+                self._sent_cache[key] = {
+                    "dispatch": (off.sum(axis=1), cross.sum(axis=1)),
+                    "combine": (off.sum(axis=0), cross.sum(axis=0)),
+                }
         return self._blocks[key]
 
     def _account_a2a(self, g: list[int], pair: np.ndarray, nb: np.ndarray | None, direction: str) -> None:
@@ -148,9 +162,16 @@ class Engine:
         blocks = self._block_bytes(op)
         groups = [self.groups[g] for g in gids]
         algo = self.s.collectives.all_to_all
+        cached = self._sent_cache.get((op.moe, op.micro))
         for gid in gids:
             pair, nb = blocks[gid]
-            self._account_a2a(self.groups[gid], pair, nb, op.direction)
+            if cached is not None:
+                sent, inter = cached[op.direction]
+                lo, hi = gid * self.ep, (gid + 1) * self.ep
+                self.sent[lo:hi] += sent[lo:hi]
+                self.inter[lo:hi] += inter[lo:hi]
+            else:
+                self._account_a2a(self.groups[gid], pair, nb, op.direction)
         if self.comm.model == "ps" and algo == "direct":
             done = self.comm.direct_a2a(tuple(gids), groups, [blocks[g][0] for g in gids], op.direction)
         else:
@@ -158,12 +179,31 @@ class Engine:
             done = self.comm.run(groups, dags)
         for gid in gids:
             self._launched[(op_idx, gid)] = self.env.now
+            gev = self._group_waiters.pop((op_idx, gid), None)
+            if gev is not None:
+                gev.succeed(np.array([done[r] for r in self.groups[gid]], dtype=np.float64))
+                continue
             for r, ev in self._waiters.pop((op_idx, gid)):
                 x = done[r]
                 if isinstance(x, float):
                     fire_at(self.env, ev, x)
                 else:
                     x.callbacks.append(lambda _e, ev=ev: ev.succeed())
+
+    def _arrive_group(self, op_idx: int, op: AllToAll, gid: int, t: np.ndarray) -> simpy.Event:
+        """EP group ``gid`` (vectorised clocks ``t``) reaches all-to-all ``op_idx``; the event fires at
+        the launch with the array of its ranks' seconds until their parts are done."""
+        when = float(t.max())
+        ev = self.env.event()
+        if self.wait_on is not None:
+            self.wait_on[self.groups[gid], gid * self.ep + int(np.argmax(t))] += 1
+        self._group_waiters[(op_idx, gid)] = ev
+        pkey = (op_idx, when)
+        first = pkey not in self._pending
+        self._pending.setdefault(pkey, []).append(gid)
+        if first:
+            self.env.timeout(when - self.env.now).callbacks.append(lambda _e: self._flush(op_idx, op, when))
+        return ev
 
     def _arrive_a2a(self, op_idx: int, op: AllToAll, rank: int, t: float) -> simpy.Event:
         """Rank ``rank`` reaches all-to-all ``op_idx`` at time ``t`` (>= now); the event fires when
@@ -350,7 +390,12 @@ class Engine:
     def run(self) -> EngineResult:
         self._comm_arrivals: dict[tuple, list] = {}
         self._ring_algo = "ring"
-        procs = [self.env.process(self._rank_proc(r)) for r in range(self.world)]
+        if self.comm.model == "ps":  # end times known at launch: one vectorised process per EP group
+            from sim.engine_groups import group_proc
+
+            procs = [self.env.process(group_proc(self, g)) for g in range(len(self.groups))]
+        else:
+            procs = [self.env.process(self._rank_proc(r)) for r in range(self.world)]
         for r in range(self.world):
             self.env.process(self._comm_proc(r))
         self.env.run(until=self.env.all_of(procs))
