@@ -63,12 +63,13 @@ class EngineResult:
 
 class Engine:
     def __init__(self, s: Scenario, sched: Schedule, plan: RoutingPlan | None, cluster: Cluster,
-                 comm_model: str, trace_ranks: set[int] | None = None):  # fmt: skip
+                 comm_model: str, trace_ranks: set[int] | None = None, per_rank: bool = False):  # fmt: skip
         self.s, self.sched, self.plan, self.cluster = s, sched, plan, cluster
         self.env = simpy.Environment()
         self.comm = Comm(self.env, cluster, comm_model)
         self.world = s.world_size
         self.trace = trace_ranks or set()
+        self.per_rank = per_rank  # one process per rank even where the vectorised group process is exact
         self.spans: list[Span] = []
         w = self.world
         self.key = {k: np.zeros(w) for k in STREAM_KEYS}
@@ -390,7 +391,7 @@ class Engine:
     def run(self) -> EngineResult:
         self._comm_arrivals: dict[tuple, list] = {}
         self._ring_algo = "ring"
-        if self.comm.model == "ps":  # end times known at launch: one vectorised process per EP group
+        if self.comm.model == "ps" and not self.per_rank:  # end times known at launch: one vectorised process per EP group
             from sim.engine_groups import group_proc
 
             procs = [self.env.process(group_proc(self, g)) for g in range(len(self.groups))]

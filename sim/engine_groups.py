@@ -86,7 +86,7 @@ def group_proc(eng, gid: int):
             when = np.zeros(ep)
             for i, r in enumerate(ranks):
 
-                def start_g(r=r, i=i, op=op):
+                def start_g(r=r, i=i, op=op, holders=holders):
                     eng._gather(r, op.key, op.nonexpert, op.expert).callbacks.append(
                         lambda _e: holders[i].succeed()
                     )

@@ -8,6 +8,7 @@ import math
 import numpy as np
 import pytest
 import yaml
+from conftest import ROOT, run_cli
 
 from sim.cluster import cluster_for
 from sim.collectives import all_to_all_dag
@@ -20,8 +21,6 @@ from sim.routing import route_scenario
 from sim.scenario import load_scenario
 from sim.schedule import AllToAll, Compute, build_schedule
 from sim.simulate import cost_model, simulate
-
-from conftest import ROOT, run_cli
 
 BASE = ROOT / "scenarios" / "cpu-2rank.yaml"
 BIG = ROOT / "scenarios" / "128gpu.yaml"
@@ -228,3 +227,19 @@ def test_cli_simulate_json_and_errors(tmp_path):
     assert bad.returncode == 2 and "--trace-ranks" in bad.stderr
     bad = run_cli("simulate", str(BASE), "--set", "parallelism.ep=3")
     assert bad.returncode == 2 and "parallelism.ep" in bad.stderr
+
+
+@pytest.mark.parametrize("extra", [["routing.skew=1.5"], ["parallelism.zero_stage=3"], ["collectives.overlap_comm=false"]])
+def test_vectorised_group_streams_equal_one_process_per_rank(extra):
+    from sim.engine import Engine
+    from sim.simulate import _cluster
+
+    s = multi_node(2, "parallelism.ep=8", *extra)
+    plan = route_scenario(s)
+    sched = build_schedule(s, plan, cost_model(s), np.ones(s.world_size))
+    a = Engine(s, sched, plan, _cluster(s), "ps", trace_ranks={0, 9}).run()
+    b = Engine(s, sched, plan, _cluster(s), "ps", trace_ranks={0, 9}, per_rank=True).run()
+    assert a.step_time_s == b.step_time_s
+    for k in STREAM_KEYS:
+        np.testing.assert_allclose(a.by_key[k], b.by_key[k], rtol=1e-12, atol=1e-15)
+    assert [(x.rank, x.name, x.start, x.end) for x in a.spans] == [(x.rank, x.name, x.start, x.end) for x in b.spans]
