@@ -29,18 +29,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from sim.errors import InputError
 from sim.ioutil import atomic_write_text, dumps_json
-from sim.yamlio import read_text, validate_model
+from sim.yamlio import StrictModel, read_text, validate_model
 
 FORMAT = "moesim.calibration"
 VERSION = 1
-_OPEN = ConfigDict(extra="forbid")
+_OPEN = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
-class GemmFit(BaseModel):
+class GemmFit(StrictModel):
     """Achieved GEMM throughput model for one dtype."""
 
     model_config = _OPEN
@@ -50,7 +50,7 @@ class GemmFit(BaseModel):
     fit_rel_err: float | None = Field(default=None, ge=0, description="median relative error of the fit")
 
 
-class LinkFit(BaseModel):
+class LinkFit(StrictModel):
     """alpha-beta model of a link class: time = alpha + bytes / bw."""
 
     model_config = _OPEN
@@ -59,7 +59,7 @@ class LinkFit(BaseModel):
     fit_rel_err: float | None = Field(default=None, ge=0)
 
 
-class Calibration(BaseModel):
+class Calibration(StrictModel):
     """A calibration file; see the module docstring for the meaning of each field."""
 
     model_config = _OPEN
@@ -85,6 +85,8 @@ def load_calibration(path: str | Path) -> Calibration:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"not valid JSON: {exc.msg} at line {exc.lineno}", file=str(path)) from None
+    except RecursionError:
+        raise InputError("JSON is nested too deeply", file=str(path)) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InputError(
             f"not a calibration file (expected format: {FORMAT})", file=str(path), field="format"
@@ -95,7 +97,8 @@ def load_calibration(path: str | Path) -> Calibration:
             file=str(path),
             field="version",
         )
-    unknown = set(data.get("links", {})) - {"intra", "inter", "host"}
+    links = data.get("links", {})
+    unknown = (set(links) if isinstance(links, dict) else set()) - {"intra", "inter", "host"}
     if unknown:
         raise InputError(
             f"unknown link class(es) {sorted(unknown)}; allowed: intra, inter, host",

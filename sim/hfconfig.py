@@ -241,6 +241,8 @@ def load_hf_json(path: str | Path) -> dict[str, Any]:
         raise InputError(
             f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}", file=str(path)
         ) from None
+    except RecursionError:
+        raise InputError("JSON is nested too deeply", file=str(path)) from None
     if not isinstance(data, dict):
         raise InputError(
             f"expected a JSON object at the top level, got {type(data).__name__}", file=str(path)

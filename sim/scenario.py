@@ -34,10 +34,10 @@ from sim.scenario_sections import (
     parse_policy,
 )
 from sim.topology import Topology, load_topology
-from sim.yamlio import _sub_model, load_yaml_mapping, validate_model
+from sim.yamlio import StrictModel, _sub_model, load_yaml_mapping, validate_model
 
 
-class Scenario(BaseModel):
+class Scenario(StrictModel):
     """One scenario file, validated and bound to its topology."""
 
     model_config = _STRICT
@@ -132,6 +132,14 @@ class Scenario(BaseModel):
 
     def check_layout(self) -> None:
         """Cross-field checks that need the topology; raises :class:`InputError` naming the field."""
+        so = self.topology.scaleout
+        if so.kind == "none" and self.cluster.nodes > 1:
+            raise InputError(
+                f"topology '{self.topology.name}' has no scale-out fabric (scaleout.kind: none): it holds "
+                f"one node, got {self.cluster.nodes}",
+                field="cluster.nodes",
+            )
+        self._check_files()
         world = self.world_size
         if self.parallelism.dp is not None and self.parallelism.dp != world:
             raise InputError(
@@ -185,6 +193,25 @@ class Scenario(BaseModel):
             from sim.faults import check_faults
 
             check_faults(self)
+
+    def _check_files(self) -> None:
+        """Files the scenario names (calibration, router trace) exist; their content is read by
+        the commands that use them (and by ``moesim check``)."""
+        named = (
+            ("calibration", self.calibration, "calibration file"),
+            ("routing.trace", self.routing.trace, "router trace"),
+        )
+        for field, value, what in named:
+            if value is None:
+                continue
+            path = self.resolve_path(value)
+            if not path.exists():
+                raise InputError(
+                    f"{what} '{value}' not found (a relative path is read from the scenario's folder, {self._base_dir})",
+                    field=field,
+                )
+            if not path.is_file():
+                raise InputError(f"{what} '{value}' is a directory, expected a file", field=field)
 
     def _group_word(self) -> str:
         return "nodes" if self.routing.policy == "node_limited" else "devices"
@@ -263,15 +290,29 @@ def scenario_from_dict(
     base_dir = base_dir or Path.cwd()
     data = dict(data)
     model = data.get("model")
-    if isinstance(model, dict) and model.get("hf_config"):
+    hf_note = None
+    if isinstance(model, dict) and model.get("hf_config") is not None:
         from sim.hfconfig import model_fields_from_hf
 
-        hf_path = Path(model["hf_config"])
+        hf = model["hf_config"]
+        if not isinstance(hf, str) or not hf.strip():
+            raise InputError(
+                f"must be the path of a HuggingFace config.json, got {hf!r}",
+                file=source,
+                field="model.hf_config",
+            )
+        hf_path = Path(hf)
         if not hf_path.is_absolute():
             hf_path = base_dir / hf_path
         fields = model_fields_from_hf(hf_path)
         data["model"] = {**fields, **model}
-    scenario = validate_model(Scenario, data, source)
+        hf_note = str(hf_path)
+    try:
+        scenario = validate_model(Scenario, data, source)
+    except InputError as exc:
+        if hf_note and "model." in exc.message:
+            exc.message += f" (model fields not set in the scenario come from {hf_note})"
+        raise
     scenario._source = source
     scenario._base_dir = base_dir
     try:

@@ -21,16 +21,16 @@ by :func:`sim.faults.apply_faults` when the scenario is loaded.
 
 from __future__ import annotations
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import Field, model_validator
 
 from sim.scenario_sections import _STRICT
-from sim.yamlio import field_error
+from sim.yamlio import StrictModel, field_error
 
 #: The keys that name what a link fault hits.
 TARGETS = ("nic", "nvlink", "pcie", "leaf", "link")
 
 
-class NicRef(BaseModel):
+class NicRef(StrictModel):
     """A NIC: node index and rail (NIC index inside the node)."""
 
     model_config = _STRICT
@@ -38,14 +38,14 @@ class NicRef(BaseModel):
     rail: int = Field(ge=0, description="NIC index in the node (= rail of a rail-optimized fat tree)")
 
 
-class RankRef(BaseModel):
+class RankRef(StrictModel):
     """A GPU by global rank."""
 
     model_config = _STRICT
     rank: int = Field(ge=0, description="global rank, 0-based")
 
 
-class LeafRef(BaseModel):
+class LeafRef(StrictModel):
     """A leaf switch of a rail fat tree: its rail and its index along the rail."""
 
     model_config = _STRICT
@@ -53,7 +53,7 @@ class LeafRef(BaseModel):
     leaf: int = Field(default=0, ge=0, description="leaf index on the rail (node // nodes_per_leaf)")
 
 
-class LinkFault(BaseModel):
+class LinkFault(StrictModel):
     """One degraded or failed link (or NIC): exactly one target and either bw_factor or failed."""
 
     model_config = _STRICT
@@ -86,7 +86,7 @@ class LinkFault(BaseModel):
         return next(t for t in TARGETS if getattr(self, t) is not None)
 
 
-class Straggler(BaseModel):
+class Straggler(StrictModel):
     """A slow GPU: every kernel it runs takes ``compute_factor`` times as long."""
 
     model_config = _STRICT
@@ -94,7 +94,7 @@ class Straggler(BaseModel):
     compute_factor: float = Field(ge=1, le=1000, description="kernel time multiplier, >= 1")
 
 
-class Jitter(BaseModel):
+class Jitter(StrictModel):
     """Lognormal noise on every kernel time: mean 1, coefficient of variation ``kernel_cv``."""
 
     model_config = _STRICT
@@ -102,7 +102,7 @@ class Jitter(BaseModel):
     seed: int = Field(default=0, ge=0)
 
 
-class FaultsConfig(BaseModel):
+class FaultsConfig(StrictModel):
     """Simulated faults: degraded or failed links and NICs, straggler GPUs, kernel-time jitter."""
 
     model_config = _STRICT

@@ -11,11 +11,13 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
-from sim.yamlio import field_error
+from sim.yamlio import StrictModel, field_error
 
-_STRICT = ConfigDict(extra="forbid", validate_assignment=False)
+_STRICT = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
+_WIDTH = 1_000_000  # upper bound on head counts, head and low-rank widths: far past any model
+_FFN = 100_000_000  # upper bound on FFN widths
 
 POLICIES = ("topk", "node_limited", "device_limited")
 _POLICY_RE = re.compile(r"^(topk|node_limited|device_limited)(?::M=(\d+))?$")
@@ -31,16 +33,18 @@ def parse_policy(text: str) -> tuple[str, int | None]:
     return m.group(1), (int(m.group(2)) if m.group(2) else None)
 
 
-class ClusterConfig(BaseModel):
+class ClusterConfig(StrictModel):
     """Which hardware and how much of it."""
 
     model_config = _STRICT
     topology: str = Field(description="shipped topology name (dgx-h100, ...) or path to a topology YAML")
     nodes: int = Field(ge=1, le=1_000_000, description="number of nodes")
-    gpus_per_node: int | None = Field(default=None, ge=1, description="override the topology's GPUs per node")
+    gpus_per_node: int | None = Field(
+        default=None, ge=1, le=1024, description="override the topology's GPUs per node"
+    )
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(StrictModel):
     """Model shape. Either inline fields, or ``hf_config`` (a HuggingFace config.json) plus overrides."""
 
     model_config = _STRICT
@@ -48,40 +52,52 @@ class ModelConfig(BaseModel):
     hf_config: str | None = Field(default=None, description="path to a HuggingFace config.json")
     num_layers: int = Field(ge=1, le=100_000)
     hidden_size: int = Field(ge=1, le=1_000_000)
-    num_attention_heads: int = Field(default=1, ge=1)
-    num_kv_heads: int | None = Field(default=None, ge=1, description="GQA key/value heads (default = heads)")
-    head_dim: int | None = Field(default=None, ge=1, description="default hidden_size / heads")
+    num_attention_heads: int = Field(default=1, ge=1, le=_WIDTH)
+    num_kv_heads: int | None = Field(
+        default=None, ge=1, le=_WIDTH, description="GQA key/value heads (default = heads)"
+    )
+    head_dim: int | None = Field(default=None, ge=1, le=_WIDTH, description="default hidden_size / heads")
     attention: Literal["mha", "mla", "none"] = Field(default="mha", description="mha covers GQA/MQA")
-    q_lora_rank: int | None = Field(default=None, ge=1, description="MLA query low-rank (None: full-rank q)")
-    kv_lora_rank: int | None = Field(default=None, ge=1, description="MLA compressed KV rank")
-    qk_nope_head_dim: int | None = Field(default=None, ge=0)
-    qk_rope_head_dim: int | None = Field(default=None, ge=0)
-    v_head_dim: int | None = Field(default=None, ge=1)
+    q_lora_rank: int | None = Field(
+        default=None, ge=1, le=_WIDTH, description="MLA query low-rank (None: full-rank q)"
+    )
+    kv_lora_rank: int | None = Field(default=None, ge=1, le=_WIDTH, description="MLA compressed KV rank")
+    qk_nope_head_dim: int | None = Field(default=None, ge=0, le=_WIDTH)
+    qk_rope_head_dim: int | None = Field(default=None, ge=0, le=_WIDTH)
+    v_head_dim: int | None = Field(default=None, ge=1, le=_WIDTH)
     attention_bias: bool = Field(default=False, description="biases on q/k/v projections (Qwen2)")
     qk_norm: Literal["none", "head", "full"] = Field(
         default="none",
         description="RMSNorm on queries and keys: head = per head, width head_dim (Qwen3-MoE); "
         "full = over the whole q (heads x head_dim) and k (kv_heads x head_dim) projections (OLMoE)",
     )
-    vocab_size: int = Field(default=32000, ge=1)
+    vocab_size: int = Field(default=32000, ge=1, le=100_000_000)
     tie_word_embeddings: bool = False
     norm_type: Literal["rmsnorm", "layernorm"] = "rmsnorm"
     ffn_type: Literal["gated", "plain", "linear"] = Field(
         default="gated", description="gated: SwiGLU, 3 matrices; plain: 2 matrices; linear: 1 d x d matrix"
     )
     linear_bias: bool = Field(default=False, description="biases on FFN/expert linear layers")
-    ffn_hidden_size: int | None = Field(default=None, ge=1, description="dense layers' FFN width")
-    moe_ffn_hidden_size: int | None = Field(default=None, ge=1, description="one routed expert's FFN width")
+    ffn_hidden_size: int | None = Field(default=None, ge=1, le=_FFN, description="dense layers' FFN width")
+    moe_ffn_hidden_size: int | None = Field(
+        default=None, ge=1, le=_FFN, description="one routed expert's FFN width"
+    )
     num_experts: int = Field(default=1, ge=1, le=1_000_000, description="routed experts per MoE layer")
-    top_k: int = Field(default=1, ge=1, description="experts per token")
-    num_shared_experts: int = Field(default=0, ge=0)
+    top_k: int = Field(default=1, ge=1, le=1_000_000, description="experts per token")
+    num_shared_experts: int = Field(default=0, ge=0, le=10_000)
     shared_expert_ffn_hidden_size: int | None = Field(
         default=None, ge=1, description="one shared expert's width"
     )
     shared_expert_gate: bool = Field(default=False, description="Qwen2-MoE sigmoid gate on the shared expert")
-    first_dense_layers: int = Field(default=0, ge=0, description="leading layers with a dense FFN")
-    moe_layer_freq: int = Field(default=1, ge=1, description="every n-th layer (after the dense ones) is MoE")
-    mtp_layers: int = Field(default=0, ge=0, description="multi-token-prediction modules (DeepSeek-V3)")
+    first_dense_layers: int = Field(
+        default=0, ge=0, le=100_000, description="leading layers with a dense FFN"
+    )
+    moe_layer_freq: int = Field(
+        default=1, ge=1, le=100_000, description="every n-th layer (after the dense ones) is MoE"
+    )
+    mtp_layers: int = Field(
+        default=0, ge=0, le=1000, description="multi-token-prediction modules (DeepSeek-V3)"
+    )
     score_function: Literal["softmax", "sigmoid"] = "softmax"
     norm_topk_prob: bool = Field(default=True, description="renormalise the top-k weights to sum to 1")
     router_bias: bool = Field(default=False, description="per-expert selection bias (DeepSeek-V3)")
@@ -153,48 +169,61 @@ class ModelConfig(BaseModel):
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
 
-class ParallelismConfig(BaseModel):
+class ParallelismConfig(StrictModel):
     """DeepSpeed-style data + expert parallelism with ZeRO."""
 
     model_config = _STRICT
     dp: int | None = Field(
-        default=None, ge=1, description="data-parallel size; derived (= world size) when omitted"
+        default=None,
+        ge=1,
+        le=1_000_000_000,
+        description="data-parallel size; derived (= world size) when omitted",
     )
-    ep: int = Field(default=1, ge=1, description="expert-parallel group size (contiguous ranks)")
+    ep: int = Field(
+        default=1, ge=1, le=1_000_000_000, description="expert-parallel group size (contiguous ranks)"
+    )
     zero_stage: Literal[0, 1, 2, 3] = 2
 
 
-class AuxFreeBalancing(BaseModel):
+class AuxFreeBalancing(StrictModel):
     """DeepSeek-V3 aux-loss-free balancing: per-expert selection bias moved by +-gamma per step."""
 
     model_config = _STRICT
     enabled: bool = False
-    gamma: float = Field(default=0.001, gt=0, description="bias update speed per step")
+    gamma: float = Field(default=0.001, gt=0, le=1000, description="bias update speed per step")
     steps: int = Field(
-        default=0, ge=0, description="simulated warm-up steps of bias updates before the measured step"
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description="simulated warm-up steps of bias updates before the measured step",
     )
 
 
-class TrainingConfig(BaseModel):
+class TrainingConfig(StrictModel):
     """Batch, precision and optimizer."""
 
     model_config = _STRICT
     micro_batch_size: int = Field(ge=1, le=1_000_000, description="sequences per rank per micro-step")
     seq_len: int = Field(ge=1, le=10_000_000, description="tokens per sequence")
-    grad_accum_steps: int = Field(default=1, ge=1, description="micro-steps per optimizer step")
+    grad_accum_steps: int = Field(default=1, ge=1, le=1_000_000, description="micro-steps per optimizer step")
     global_batch_size: int | None = Field(
-        default=None, ge=1, description="sequences per step; checked = micro x accum x dp when given"
+        default=None,
+        ge=1,
+        le=10**15,
+        description="sequences per step; checked = micro x accum x dp when given",
     )
     dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
     optimizer: Literal["adam", "sgd"] = "adam"
     offload_optimizer: Literal["none", "cpu"] = "none"
     activation_checkpointing: bool = False
-    steps: int = Field(default=10, ge=1, description="steps a real run takes (hw_validate)")
-    warmup_steps: int = Field(default=2, ge=0, description="steps excluded from measurement (hw_validate)")
-    lr: float = Field(default=1e-3, gt=0)
+    steps: int = Field(default=10, ge=1, le=10_000_000, description="steps a real run takes (hw_validate)")
+    warmup_steps: int = Field(
+        default=2, ge=0, le=10_000_000, description="steps excluded from measurement (hw_validate)"
+    )
+    lr: float = Field(default=1e-3, gt=0, le=1000)
 
 
-class RoutingConfig(BaseModel):
+class RoutingConfig(StrictModel):
     """Router decisions: gate-score generator, policy, capacity and dispatch."""
 
     model_config = _STRICT
@@ -202,7 +231,7 @@ class RoutingConfig(BaseModel):
         default="topk", description="topk | node_limited | device_limited (or 'node_limited:M=4')"
     )
     max_groups: int | None = Field(
-        default=None, ge=1, description="M: groups (nodes/devices) a token may use"
+        default=None, ge=1, le=1_000_000_000, description="M: groups (nodes/devices) a token may use"
     )
     generator: Literal["uniform", "skewed", "trace"] = "uniform"
     skew: float = Field(default=0.0, ge=0, le=100, description="expert-popularity skew; 0 = uniform")
@@ -212,13 +241,15 @@ class RoutingConfig(BaseModel):
     )
     trace: str | None = Field(default=None, description="router trace file for generator: trace")
     capacity_factor: float | None = Field(
-        default=1.0, gt=0, description="null = no capacity limit (no drops)"
+        default=1.0, gt=0, le=1e6, description="null = no capacity limit (no drops)"
     )
-    min_capacity: int = Field(default=4, ge=0)
+    min_capacity: int = Field(default=4, ge=0, le=1_000_000_000)
     drop_policy: Literal["probs", "position"] = "probs"
     dispatch: Literal["capacity_padded", "dropless"] = "capacity_padded"
-    route_scale: float = Field(default=1.0, gt=0, description="scale on routing weights (DeepSeek-V3: 2.5)")
-    seed: int = Field(default=0, ge=0)
+    route_scale: float = Field(
+        default=1.0, gt=0, le=1e6, description="scale on routing weights (DeepSeek-V3: 2.5)"
+    )
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
     aux_free_balancing: AuxFreeBalancing = AuxFreeBalancing()
 
     @model_validator(mode="after")
@@ -243,13 +274,15 @@ class RoutingConfig(BaseModel):
         return self.policy if self.policy == "topk" else f"{self.policy}:M={self.max_groups}"
 
 
-class CollectivesConfig(BaseModel):
+class CollectivesConfig(StrictModel):
     """Collective algorithms and gradient bucketing."""
 
     model_config = _STRICT
     all_to_all: Literal["direct", "hierarchical"] = "direct"
     all_reduce: Literal["ring", "tree"] = "ring"
-    reduce_bucket_elements: int = Field(default=500_000_000, ge=1, description="DeepSpeed reduce_bucket_size")
+    reduce_bucket_elements: int = Field(
+        default=500_000_000, ge=1, le=10**13, description="DeepSpeed reduce_bucket_size"
+    )
     overlap_comm: bool = Field(default=True, description="overlap gradient reduction with backward")
 
 

@@ -10,28 +10,32 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from sim.errors import InputError
-from sim.yamlio import field_error, load_yaml_mapping, validate_model
+from sim.yamlio import StrictModel, field_error, load_yaml_mapping, validate_model
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 #: Folder of the shipped topology files (next to ``sim/`` in the source tree).
 TOPOLOGY_DIR = Path(__file__).resolve().parent.parent / "topologies"
 
+#: Upper bound on rates, sizes and latencies (GB/s, TFLOP/s, GiB, us): far past any hardware, and
+#: small enough that unit conversions (x 1e9, x 1e12) stay finite.
+_BIG = 1e9
+
 Dtype = Literal["fp8", "bf16", "fp16", "tf32", "fp32"]
 
 
-class GpuSpec(BaseModel):
+class GpuSpec(StrictModel):
     """One accelerator (or one CPU rank): peak math rates, HBM bandwidth and capacity."""
 
     model_config = _STRICT
     kind: str = Field(description="device name, e.g. H100-SXM")
     peak_TFLOPs: dict[Dtype, float] = Field(description="dense peak per dtype (no sparsity), TFLOP/s")
-    hbm_bw_GBps: float = Field(gt=0, description="memory bandwidth, GB/s (1e9 B/s)")
-    hbm_GiB: float = Field(gt=0, description="usable device memory, GiB")
-    kernel_launch_us: float = Field(default=4.0, ge=0, description="fixed cost per kernel, us")
+    hbm_bw_GBps: float = Field(gt=0, le=_BIG, description="memory bandwidth, GB/s (1e9 B/s)")
+    hbm_GiB: float = Field(gt=0, le=_BIG, description="usable device memory, GiB")
+    kernel_launch_us: float = Field(default=4.0, ge=0, le=_BIG, description="fixed cost per kernel, us")
 
     @model_validator(mode="after")
     def _positive_peaks(self) -> GpuSpec:
@@ -40,8 +44,8 @@ class GpuSpec(BaseModel):
                 "peak_TFLOPs", "peak_TFLOPs needs at least one dtype (fp8, bf16, fp16, tf32, fp32)"
             )
         for dtype, value in self.peak_TFLOPs.items():
-            if value <= 0:
-                raise field_error(f"peak_TFLOPs.{dtype}", "must be > 0")
+            if not 0 < value <= _BIG:
+                raise field_error(f"peak_TFLOPs.{dtype}", f"must be > 0 and <= {_BIG:g}")
         return self
 
     def peak_flops(self, dtype: str) -> float:
@@ -54,13 +58,13 @@ class GpuSpec(BaseModel):
         raise KeyError(dtype)
 
 
-class LinkSpec(BaseModel):
+class LinkSpec(StrictModel):
     """A link class: line rate per direction, achieved fraction and per-hop latency."""
 
     model_config = _STRICT
-    line_bw_GBps: float = Field(gt=0, description="line rate per direction, GB/s")
+    line_bw_GBps: float = Field(gt=0, le=_BIG, description="line rate per direction, GB/s")
     efficiency: float = Field(default=1.0, gt=0, le=1, description="achieved fraction of line rate")
-    latency_us: float = Field(default=1.0, ge=0, description="latency per hop, us")
+    latency_us: float = Field(default=1.0, ge=0, le=_BIG, description="latency per hop, us")
 
     @property
     def bw_GBps(self) -> float:
@@ -68,17 +72,17 @@ class LinkSpec(BaseModel):
         return self.line_bw_GBps * self.efficiency
 
 
-class CpuSpec(BaseModel):
+class CpuSpec(StrictModel):
     """The host side, for optimizer offload (DeepSpeed ZeRO-Offload / DeepSpeedCPUAdam)."""
 
     model_config = _STRICT
     adam_Gparams_per_s: float = Field(
         default=1.0, gt=0, description="CPU Adam update rate per node, 1e9 params/s"
     )
-    mem_GiB: float = Field(default=1024, gt=0, description="host memory per node, GiB")
+    mem_GiB: float = Field(default=1024, gt=0, le=_BIG, description="host memory per node, GiB")
 
 
-class NodeSpec(BaseModel):
+class NodeSpec(StrictModel):
     """One server: GPUs, their interconnect (NVSwitch, PCIe switch or shared memory) and the host."""
 
     model_config = _STRICT
@@ -89,17 +93,21 @@ class NodeSpec(BaseModel):
     cpu: CpuSpec = CpuSpec()
 
 
-class ScaleOutSpec(BaseModel):
+class ScaleOutSpec(StrictModel):
     """Between nodes: a rail-optimized fat tree (one NIC per GPU, one leaf per rail, a spine), one switch, or none."""
 
     model_config = _STRICT
     kind: Literal["rail_fat_tree", "single_switch", "none"] = "rail_fat_tree"
-    nics_per_node: int = Field(default=8, ge=1)
-    nic_line_Gbps: float = Field(default=400, gt=0, description="NIC line rate per direction, Gb/s")
+    nics_per_node: int = Field(default=8, ge=1, le=1024)
+    nic_line_Gbps: float = Field(default=400, gt=0, le=_BIG, description="NIC line rate per direction, Gb/s")
     efficiency: float = Field(default=1.0, gt=0, le=1, description="achieved fraction of NIC line rate")
-    latency_us: float = Field(default=2.0, ge=0, description="latency per switch hop, us")
-    nodes_per_leaf: int = Field(default=32, ge=1, description="nodes one leaf switch of a rail serves")
-    oversubscription: float = Field(default=1.0, ge=1, description="leaf downlink : uplink bandwidth ratio")
+    latency_us: float = Field(default=2.0, ge=0, le=_BIG, description="latency per switch hop, us")
+    nodes_per_leaf: int = Field(
+        default=32, ge=1, le=1_000_000, description="nodes one leaf switch of a rail serves"
+    )
+    oversubscription: float = Field(
+        default=1.0, ge=1, le=1_000_000, description="leaf downlink : uplink bandwidth ratio"
+    )
 
     @property
     def nic_bw_GBps(self) -> float:
@@ -107,7 +115,7 @@ class ScaleOutSpec(BaseModel):
         return self.nic_line_Gbps / 8.0 * self.efficiency
 
 
-class Topology(BaseModel):
+class Topology(StrictModel):
     """A whole hardware description; ``cluster.nodes`` in the scenario says how many nodes."""
 
     model_config = _STRICT

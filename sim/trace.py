@@ -102,6 +102,14 @@ def trace_from_records(
         raise InputError("trace has no records", file=file, field="records")
     steps = 1 + max(_int(r, "step", file) for r in records)
     micro = 1 + max(_int(r, "micro_batch", file) for r in records)
+    cells = steps * micro * layers * ranks
+    if cells > len(records):  # refused before allocating: a stray huge index would exhaust memory
+        raise InputError(
+            f"{len(records)} records, but steps 0-{steps - 1} x micro-batches 0-{micro - 1} x {layers} layers "
+            f"x {ranks} ranks need exactly {cells} (one per step, micro-batch, layer and rank)",
+            file=file,
+            field="records",
+        )
     shape = (steps, micro, layers, ranks, experts)
     assigned = np.full(shape, -1, dtype=np.int64)
     kept = np.full(shape, -1, dtype=np.int64)
@@ -117,8 +125,8 @@ def trace_from_records(
             )
         if assigned[s, m, layer, r, 0] != -1:
             raise InputError("duplicate (step, micro_batch, layer, rank)", file=file, field=where)
-        a = np.asarray(rec.get("assigned"), dtype=np.int64)
-        k = np.asarray(rec.get("kept", rec.get("assigned")), dtype=np.int64)
+        a = _counts(rec.get("assigned"), experts, file, where)
+        k = _counts(rec.get("kept", rec.get("assigned")), experts, file, where)
         if a.shape != (experts,) or k.shape != (experts,):
             raise InputError(f"assigned/kept must list {experts} counts", file=file, field=where)
         if (a < 0).any() or (k < 0).any() or (k > a).any():
@@ -151,6 +159,8 @@ def load_trace(path: str | Path) -> RouterTrace:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"not valid JSON: {exc.msg} at line {exc.lineno}", file=str(path)) from None
+    except RecursionError:
+        raise InputError("JSON is nested too deeply", file=str(path)) from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InputError(f"not a router trace (expected format: {FORMAT})", file=str(path), field="format")
     if data.get("version") != VERSION:
@@ -163,6 +173,19 @@ def load_trace(path: str | Path) -> RouterTrace:
     if not isinstance(records, list):
         raise InputError("records must be a list", file=str(path), field="records")
     return trace_from_records(data, records, file=str(path))
+
+
+def _counts(value: Any, experts: int, file: str | None, where: str) -> np.ndarray:
+    """A list of ``experts`` non-negative integer counts (bools, floats and strings are refused)."""
+    if (
+        not isinstance(value, list)
+        or len(value) != experts
+        or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**62 for v in value)
+    ):
+        raise InputError(
+            f"assigned/kept must list {experts} non-negative integer counts", file=file, field=where
+        )
+    return np.asarray(value, dtype=np.int64)
 
 
 def _int(rec: dict[str, Any], key: str, file: str | None, where: str = "records") -> int:

@@ -9,11 +9,41 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
 from sim.errors import InputError, did_you_mean
 
 M = TypeVar("M", bound=BaseModel)
+
+#: Most values (scalars, list items, mapping entries) a YAML file may expand to through aliases.
+MAX_YAML_VALUES = 1_000_000
+
+
+def _accepts_bool(annotation: Any) -> bool:
+    if annotation is bool or annotation is Any:
+        return True
+    origin = typing.get_origin(annotation)
+    if origin is typing.Literal:
+        return any(isinstance(a, bool) for a in typing.get_args(annotation))
+    if origin in (typing.Union, types.UnionType, typing.Annotated):
+        return any(_accepts_bool(a) for a in typing.get_args(annotation))
+    return not (isinstance(annotation, type) and issubclass(annotation, int | float))
+
+
+class StrictModel(BaseModel):
+    """Base of every input-file model: unknown keys are errors, numbers must be finite, and
+    ``true``/``false`` is not taken for a number (pydantic would read ``nodes: true`` as 1)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        if isinstance(value, bool) and info.field_name is not None:
+            field = cls.model_fields.get(info.field_name)
+            if field is not None and not _accepts_bool(field.annotation):
+                raise ValueError(f"expected a number or a name, not {str(value).lower()}")
+        return value
 
 
 class _StrictLoader(yaml.SafeLoader):
@@ -57,15 +87,25 @@ def read_text(path: str | Path, what: str = "file") -> str:
 def load_yaml_mapping(path: str | Path, what: str = "YAML file") -> dict[str, Any]:
     """Parse ``path`` as a YAML mapping; syntax errors, empty files and non-mappings exit 2."""
     text = read_text(path, what)
+    loader = None
     try:
-        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - SafeLoader subclass
+        loader = _StrictLoader(text)  # the reader refuses control characters here already
+        node = loader.get_single_node()
+        if node is not None:
+            _check_expanded_size(node, str(path))
+        data = loader.construct_document(node) if node is not None else None
     except InputError as exc:
         raise exc.with_file(str(path)) from None
+    except RecursionError:
+        raise InputError(f"{what} is nested too deeply", file=str(path)) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise InputError(f"YAML syntax error{where}: {problem}", file=str(path)) from None
+    finally:
+        if loader is not None:
+            loader.dispose()
     if data is None:
         raise InputError(f"{what} is empty", file=str(path))
     if not isinstance(data, dict):
@@ -76,6 +116,38 @@ def load_yaml_mapping(path: str | Path, what: str = "YAML file") -> dict[str, An
         if not isinstance(key, str):
             raise InputError(f"keys must be strings, got {key!r}", file=str(path))
     return data
+
+
+def _check_expanded_size(root: yaml.Node, file: str) -> None:
+    """Refuse a document whose aliases expand to more than :data:`MAX_YAML_VALUES` values
+    ("billion laughs"): sizes are counted once per node, bottom-up, without recursion."""
+    size: dict[int, int] = {}
+    open_nodes: set[int] = set()  # nodes whose children are being counted: the current path
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if not children_done and id(node) in size:
+            continue
+        if isinstance(node, yaml.ScalarNode):
+            size[id(node)] = 1
+            continue
+        kids = [n for pair in node.value for n in pair] if isinstance(node, yaml.MappingNode) else node.value
+        if children_done:
+            open_nodes.discard(id(node))
+            total = 1 + sum(size[id(k)] for k in kids)
+            if total > MAX_YAML_VALUES:
+                raise InputError(
+                    f"the document expands to more than {MAX_YAML_VALUES:,} values through YAML aliases "
+                    f"(line {node.start_mark.line + 1}); write the values out",
+                    file=file,
+                )
+            size[id(node)] = total
+            continue
+        if id(node) in open_nodes:
+            raise InputError(f"recursive YAML alias at line {node.start_mark.line + 1}", file=file)
+        open_nodes.add(id(node))
+        stack.append((node, True))
+        stack.extend((k, False) for k in kids if id(k) not in size)
 
 
 def _sub_model(annotation: Any, through_lists: bool = False) -> type[BaseModel] | None:

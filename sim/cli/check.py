@@ -13,8 +13,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_argument(parser)
 
 
+def read_referenced_files(s) -> None:
+    """Parse the calibration and router trace the scenario names (load only checks they exist)."""
+    if s.calibration is not None:
+        from sim.calibration import load_calibration
+
+        load_calibration(s.resolve_path(s.calibration))
+    if s.routing.trace is not None:
+        from sim.trace import load_trace
+
+        load_trace(s.resolve_path(s.routing.trace))
+
+
 def run(args: argparse.Namespace) -> int:
     s = scenario_from_args(args)
+    read_referenced_files(s)
     layout = {
         "scenario": s.name,
         "topology": s.topology.name,
