@@ -82,6 +82,8 @@ class Cluster:
     link_failed: np.ndarray | None = field(default=None, repr=False)
     #: (src, dst) -> link indices avoiding failed links (:class:`sim.reroute.Rerouter`).
     _reroute: Callable[[int, int], tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
+    #: The healthy cluster a faulty one was made from (faults are applied to it, never stacked).
+    healthy: Cluster | None = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:

@@ -148,13 +148,15 @@ def resolve_link_faults(
 
 
 def apply_faults(cluster: Cluster, scenario_or_faults) -> Cluster:
-    """A copy of ``cluster`` with the degraded and failed links of a scenario (or a FaultsConfig)."""
+    """A copy of ``cluster`` with the degraded and failed links of a scenario (or a FaultsConfig).
+
+    Applied to the healthy cluster (``cluster.healthy`` when given a faulty one), so applying the
+    same faults twice gives the same cluster, and ``apply_faults(c, FaultsConfig())`` the healthy one."""
     faults = _faults_of(scenario_or_faults)
+    cluster = cluster.healthy or cluster  # idempotent: faults replace earlier ones, never stack
     if not faults.links:
         return cluster
     factor, failed, _ = resolve_link_faults(cluster, faults)
-    if cluster.link_failed is not None:
-        failed |= cluster.link_failed
     graph = cluster.graph.copy()
     bw = cluster.link_bw_Bps * factor
     for i in np.flatnonzero(factor != 1.0):
@@ -172,6 +174,7 @@ def apply_faults(cluster: Cluster, scenario_or_faults) -> Cluster:
         link_failed=failed if failed.any() else None,
         _path_cache={},
         _reroute=None,
+        healthy=cluster,
     )
     if failed.any():
         lost = partitioned_ranks(new)

@@ -129,6 +129,24 @@ def test_factors_multiply_and_every_target_kind_resolves(healthy):
     )
 
 
+def test_applying_faults_twice_does_not_stack(healthy):
+    s = scenario(
+        {
+            "links": [
+                {"nic": {"node": 1, "rail": 0}, "bw_factor": 0.5},
+                {"nvlink": {"rank": 2}, "failed": True},
+            ]
+        }
+    )
+    once = cluster_for(s)
+    twice = apply_faults(once, s)
+    assert twice.link_bw_Bps.tolist() == once.link_bw_Bps.tolist()
+    assert twice.link_failed.tolist() == once.link_failed.tolist()
+    assert twice.healthy is once.healthy and once.healthy.link_failed is None
+    back = apply_faults(once, FaultsConfig())
+    assert back.link_bw_Bps.tolist() == healthy.link_bw_Bps.tolist() and back.link_failed is None
+
+
 def test_failed_nic_reroutes_through_another_gpu_of_the_node(healthy):
     s = scenario({"links": [{"nic": {"node": 0, "rail": 3}, "failed": True}]})
     c = cluster_for(s)
