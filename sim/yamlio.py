@@ -201,7 +201,10 @@ def validation_to_input_error(exc: ValidationError, cls: type[BaseModel], file: 
         if err["type"] == "extra_forbidden":
             parent = _model_at(cls, loc[:-1]) if len(loc) > 1 else cls
             allowed = sorted(parent.model_fields) if parent is not None else []
-            hint = did_you_mean(str(loc[-1]), allowed)
+            key = str(loc[-1])
+            hint = did_you_mean(key, allowed)
+            if ":" in key:  # '{node:1}' is one key in YAML; '{node: 1}' is a key and a value
+                hint += f" (YAML needs a space after ':' - write '{key.replace(':', ': ', 1)}')"
             messages.append(f"{path}: unknown key{hint}; allowed keys: {', '.join(allowed)}")
         elif err["type"] == "missing":
             messages.append(f"{path}: required field is missing")
