@@ -3,9 +3,12 @@ DESIGN.md (``step_time_s``, ``breakdown_s``, ``traffic``, ``memory``, ``params``
 
 ``engine="des"`` runs the SimPy engine (:mod:`sim.engine`) on every rank; ``engine="analytic"``
 the closed form of :mod:`sim.analytic` (mean loads, no barriers, no contention between groups).
-The breakdown is the *critical rank*'s (the last to finish): its compute stream is tiled by
-``compute + a2a + imbalance_wait + exposed_comm + optimizer`` = ``step_time_s``; ``grad_sync`` is
-its comm stream's busy time (mostly hidden behind backward; the hidden part is not in the sum).
+Every rank's compute stream is tiled by ``compute + a2a + imbalance_wait + exposed_comm +
+optimizer`` = the rank's end. ``breakdown_s`` is the mean over ranks (the ranks end together when
+the step ends in a collective, so it sums to ``step_time_s``; ``imbalance_wait`` is then the mean
+time a rank sat at all-to-all barriers for a slower peer); ``critical_rank_breakdown_s`` is the
+same for the rank that set the pace. ``grad_sync`` is comm-stream busy time (mostly hidden behind
+backward; the hidden part is in no sum).
 """
 
 from __future__ import annotations
@@ -96,8 +99,13 @@ def simulate(
 
 
 def _from_engine(s: Scenario, res) -> dict[str, Any]:
-    c = res.critical_rank
-    by_key = {k: float(v[c]) for k, v in res.by_key.items()}
+    # the critical rank: the last to finish; among ranks ending together (the step's final
+    # collectives align them) the one that waited least at barriers, i.e. the one that set the pace
+    ends, waits = res.rank_end_s, res.by_key["imbalance_wait"]
+    last = np.flatnonzero(ends >= ends.max() * (1 - 1e-12))
+    c = int(last[np.argmin(waits[last])])
+    by_key = {k: float(v.mean()) for k, v in res.by_key.items()}
+    crit = {k: float(v[c]) for k, v in res.by_key.items()}
     tokens = s.global_batch_size * s.training.seq_len
     world = s.world_size
     spread = res.rank_end_s
@@ -111,11 +119,12 @@ def _from_engine(s: Scenario, res) -> dict[str, Any]:
         "breakdown_s": {
             "compute": by_key["compute"],
             "a2a": by_key["a2a"],
-            "grad_sync": float(res.grad_sync_s[c]),
+            "grad_sync": float(res.grad_sync_s.mean()),
             "optimizer": by_key["optimizer"],
             "exposed_comm": by_key["exposed_comm"],
             "imbalance_wait": by_key["imbalance_wait"],
         },
+        "critical_rank_breakdown_s": {**crit, "grad_sync": float(res.grad_sync_s[c])},
         "phases_s": {k: float(v[c]) for k, v in sorted(res.by_name.items())},
         "ranks": {
             "end_min_s": float(spread.min()),
@@ -184,7 +193,7 @@ def _assemble(s: Scenario, plan, sched, core: dict[str, Any], engine: str) -> di
         "layout": {"dp": s.dp, "ep": s.ep, "edp": s.edp, "nodes": s.cluster.nodes,
                    "gpus_per_node": s.gpus_per_node, "zero_stage": s.parallelism.zero_stage},  # fmt: skip
     }
-    for k in ("critical_rank", "phases_s", "ranks", "link_bytes_by_kind", "simulator"):
+    for k in ("critical_rank", "critical_rank_breakdown_s", "phases_s", "ranks", "link_bytes_by_kind", "simulator"):
         if k in core:
             out[k] = core[k]
     return out

@@ -104,7 +104,7 @@ def format_table(scenario, r: dict[str, Any], wall_s: float | None = None) -> st
         f"ZeRO-{lay['zero_stage']}, {scenario.training.dtype}, policy {r['policy']}, engine {r['engine']}",
         f"step time {step:.4f} s   tokens/s {r['tokens_per_s']:,.0f} ({r['tokens_per_s_per_gpu']:,.0f} per GPU)"
         f"   MFU {100 * r['mfu']:.1f}%",
-        "breakdown" + (f" (critical rank {r['critical_rank']})" if "critical_rank" in r else "") + ":",
+        "breakdown, mean over ranks" + (f" (the pace was set by rank {r['critical_rank']})" if "critical_rank" in r else "") + ":",
     ]
     rows = [
         ("compute", b["compute"]),
