@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from sim.collectives import all_to_all_dag, reduction_dag
+from sim.collectives import all_to_all_dag
 from sim.collectives_analytic import estimate_time_s
-from sim.comm import group_node_bytes
+from sim.comm import group_node_bytes, reduction_model
 from sim.schedule import AllToAll, Compute, Gather, GradReady, Schedule, WaitGather
 
 
@@ -56,10 +56,11 @@ def analytic_step(s, sched: Schedule, plan, cluster, cost) -> dict[str, Any]:
     def red_time(kind: str, g: list[int], nbytes: float) -> float:
         if len(g) <= 1 or nbytes <= 0:
             return 0.0
-        key = (kind, len(g), float(nbytes))
+        key = (kind, tuple(g))
         if key not in red_cache:
-            red_cache[key] = estimate_time_s(cluster, reduction_dag(cluster, kind, g, nbytes, "ring"))
-        return red_cache[key]
+            red_cache[key] = reduction_model(cluster, kind, g, "ring")
+        per_byte, latency, _ = red_cache[key]
+        return latency + per_byte * nbytes
 
     compute = a2a = exposed = grad_total = 0.0
     bucket = s.collectives.reduce_bucket_elements * bpe

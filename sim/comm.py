@@ -122,7 +122,7 @@ class Comm:
         self.env, self.cluster, self.model = env, cluster, model
         self.net = Network(env, cluster)
         self.link_bytes = np.zeros(cluster.num_links)
-        self._est: dict[tuple, float] = {}
+        self._est: dict[tuple, tuple] = {}
         self._path_cache: dict[tuple, _Paths] = {}
         self._direct_paths: list[_Paths] = []
 
@@ -206,14 +206,12 @@ class Comm:
         if self.model == "flow":
             h = run_dag(self.net, group, reduction_dag(self.cluster, kind, group, nbytes, algo))
             return dict(zip(group, h.rank_done, strict=True))
-        key = (kind, tuple(group), float(nbytes), algo)
+        key = (kind, tuple(group), algo)
         if key not in self._est:
-            dag = reduction_dag(self.cluster, kind, group, nbytes, algo)
-            self._est[key] = estimate_time_s(self.cluster, dag)
-            self._est[key + ("bytes",)] = dag_link_bytes(self.cluster, dag)  # type: ignore[assignment]
-        self.link_bytes += self._est[key + ("bytes",)]
-        t = self._est[key]
-        ev = event_at(self.env, t)
+            self._est[key] = reduction_model(self.cluster, kind, group, algo)
+        per_byte, latency, link_per_byte = self._est[key]
+        self.link_bytes += link_per_byte * nbytes
+        ev = event_at(self.env, latency + per_byte * nbytes)
         return dict.fromkeys(group, ev)
 
     def host_copy(self, ranks: list[int], nbytes: float, to_host: bool) -> dict[int, simpy.Event]:
@@ -235,10 +233,27 @@ class Comm:
         return self.link_bytes + self.net.link_bytes + direct
 
 
+#: Size at which :func:`reduction_model` measures a ring; every term it keeps is linear in the size.
+_REF_BYTES = 1 << 30
+
+
+def reduction_model(cluster: Cluster, kind: str, group: list[int], algo: str) -> tuple[float, float, np.ndarray]:
+    """``(seconds per byte, latency s, link bytes per byte)`` of a ring collective over ``group``:
+    :func:`~sim.collectives_analytic.estimate_time_s` is the sum over phases of the busiest link's
+    bytes / bandwidth (linear in the size: every chunk is a fixed fraction of it) plus the latency
+    chain (independent of it), so one DAG per group serves every bucket size."""
+    from sim.collectives_analytic import dag_critical_latency_s
+
+    dag = reduction_dag(cluster, kind, group, float(_REF_BYTES), algo)
+    latency = dag_critical_latency_s(cluster, dag)
+    total = estimate_time_s(cluster, dag)
+    return (total - latency) / _REF_BYTES, latency, dag_link_bytes(cluster, dag) / _REF_BYTES
+
+
 def group_node_bytes(cluster: Cluster, group: list[int], node_matrix: np.ndarray) -> np.ndarray:
     """The (group, group's nodes) block of a (world, nodes) matrix."""
     nodes, _ = group_nodes(cluster, group)
     return node_matrix[np.ix_(np.asarray(group), nodes)]
 
 
-__all__ = ["FLOW_AUTO_MAX_RANKS", "Comm", "event_at", "fire_at", "group_node_bytes"]
+__all__ = ["FLOW_AUTO_MAX_RANKS", "Comm", "event_at", "fire_at", "group_node_bytes", "reduction_model"]

@@ -246,3 +246,17 @@ def test_vectorised_group_streams_equal_one_process_per_rank(extra):
     for k in STREAM_KEYS:
         np.testing.assert_allclose(a.by_key[k], b.by_key[k], rtol=1e-12, atol=1e-15)
     assert [(x.rank, x.name, x.start, x.end) for x in a.spans] == [(x.rank, x.name, x.start, x.end) for x in b.spans]
+
+
+@pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
+def test_reduction_model_is_exact_at_any_size(kind):
+    from sim.collectives import reduction_dag
+    from sim.collectives_analytic import estimate_time_s
+    from sim.comm import reduction_model
+
+    cl = cluster_for(multi_node(2))
+    group = list(range(0, 16, 2))
+    per_byte, latency, _ = reduction_model(cl, kind, group, "ring")
+    for nbytes in (1e3, 3.3e6, 7e8):
+        ref = estimate_time_s(cl, reduction_dag(cl, kind, group, nbytes, "ring"))
+        assert latency + per_byte * nbytes == pytest.approx(ref, rel=1e-9)
