@@ -22,7 +22,7 @@ import simpy
 
 from sim.cluster import Cluster
 from sim.collectives import all_to_all_dag, group_nodes, reduction_dag
-from sim.collectives_analytic import dag_link_bytes, estimate_time_s
+from sim.collectives_analytic import dag_link_bytes
 from sim.collectives_dag import TransferDag, run_dag
 from sim.network import Network
 
@@ -246,8 +246,9 @@ def reduction_model(cluster: Cluster, kind: str, group: list[int], algo: str) ->
 
     dag = reduction_dag(cluster, kind, group, float(_REF_BYTES), algo)
     latency = dag_critical_latency_s(cluster, dag)
-    total = estimate_time_s(cluster, dag)
-    return (total - latency) / _REF_BYTES, latency, dag_link_bytes(cluster, dag) / _REF_BYTES
+    by_phase = dag_link_bytes(cluster, dag, by_phase=True)
+    serial = float((by_phase / cluster.link_bw_Bps).max(axis=1).sum())  # as in estimate_time_s
+    return serial / _REF_BYTES, latency, by_phase.sum(axis=0) / _REF_BYTES
 
 
 def group_node_bytes(cluster: Cluster, group: list[int], node_matrix: np.ndarray) -> np.ndarray:
