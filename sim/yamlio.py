@@ -8,6 +8,7 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, ValidationInfo, field_validator
 
@@ -87,6 +88,13 @@ def read_text(path: str | Path, what: str = "file") -> str:
 def load_yaml_mapping(path: str | Path, what: str = "YAML file") -> dict[str, Any]:
     """Parse ``path`` as a YAML mapping; syntax errors, empty files and non-mappings exit 2."""
     text = read_text(path, what)
+    if len(text) > MAX_YAML_CHARS:
+        raise InputError(
+            f"{what} is {len(text) / 2**20:.1f} MiB; hand-written YAML inputs are limited to "
+            f"{MAX_YAML_CHARS / 2**20:.0f} MiB (is this the right file?)",
+            file=str(path),
+        )
+    _check_flow_depth(text, what, str(path))
     loader = None
     try:
         loader = _StrictLoader(text)  # the reader refuses control characters here already
@@ -116,6 +124,30 @@ def load_yaml_mapping(path: str | Path, what: str = "YAML file") -> dict[str, An
         if not isinstance(key, str):
             raise InputError(f"keys must be strings, got {key!r}", file=str(path))
     return data
+
+
+#: Largest YAML input read (characters): PyYAML parses ~0.5 MB/s, and scenario and topology files
+#: are a few kB.
+MAX_YAML_CHARS = 2 * 2**20
+
+#: Deepest nesting of YAML flow collections (``[...]``, ``{...}``) read: PyYAML's scanner takes time
+#: quadratic in this depth, so a file of nested brackets could stall the loader.
+MAX_FLOW_DEPTH = 100
+_QUOTED_OR_COMMENT = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\']|\'\')*\'|#[^\n]*')
+
+
+def _check_flow_depth(text: str, what: str, file: str) -> None:
+    if text.count("[") + text.count("{") <= MAX_FLOW_DEPTH:
+        return
+    bare = _QUOTED_OR_COMMENT.sub("", text).encode("utf-8")
+    step = np.zeros(256, dtype=np.int8)
+    step[ord("[")] = step[ord("{")] = 1
+    step[ord("]")] = step[ord("}")] = -1
+    depth = np.cumsum(step[np.frombuffer(bare, dtype=np.uint8)], dtype=np.int64)
+    if len(depth) and depth.max() > MAX_FLOW_DEPTH:
+        raise InputError(
+            f"{what} is nested too deeply: [...] / {{...}} more than {MAX_FLOW_DEPTH} levels deep", file=file
+        )
 
 
 def _check_expanded_size(root: yaml.Node, file: str) -> None:

@@ -105,6 +105,14 @@ def test_every_corpus_file_has_an_expectation():
     assert len(files) >= 100
 
 
+def test_an_oversized_yaml_file_is_refused_before_parsing(tmp_path):
+    path = tmp_path / "huge.yaml"
+    path.write_text("".join(f"key{i:07d}: {i}\n" for i in range(200_000)))  # 3.5 MiB
+    for command in ("check", "params", "route"):
+        rc, err = run(command, str(path))
+        assert rc == 2 and "huge.yaml" in err and "limited to 2 MiB" in err, err
+
+
 #: One of each kind through a real ``python -m sim`` process: the exit status and stderr a shell sees.
 SUBPROCESS_SAMPLE = [
     "scenarios/binary_junk.yaml",
