@@ -59,12 +59,13 @@ def gate_settings(scenario: Scenario) -> GateSettings:
             f"routing.policy {r.policy_string} is simulated only: DeepSpeed's TopKGate routes plain top-k"
         )
     k = scenario.model.top_k
-    if k <= 2 and r.drop_policy == "probs" and not dropless:
+    explicit = "drop_policy" in r.model_fields_set
+    if explicit and k <= 2 and r.drop_policy == "probs" and not dropless:
         notices.append(
             "DeepSpeed's top-1/top-2 gates drop by position (top-2) or random token selection (top-1); "
             "routing.drop_policy: probs applies to k > 2 only"
         )
-    if k > 2 and r.drop_policy == "position":
+    if explicit and k > 2 and r.drop_policy == "position":
         notices.append("DeepSpeed's MoE layer always uses drop_policy probs for k > 2")
     return GateSettings(
         k=k,

@@ -32,6 +32,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by deepspeed/torchrun
@@ -131,6 +132,8 @@ def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps
 
     if not args.verbose:
         deepspeed.utils.logger.setLevel(logging.WARNING)
+        # DeepSpeed's ZeRO calls torch's deprecated all_gather_into_tensor; not ours to fix
+        warnings.filterwarnings("ignore", message=r".*all_gather_into_tensor.* is deprecated", category=FutureWarning)
     accel = get_accelerator()
     accelerator = "cuda" if accel.device_name() == "cuda" else "cpu"
     _threads(accelerator)
