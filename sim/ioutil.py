@@ -69,4 +69,9 @@ def write_json(path: str, obj: Any) -> None:
         sys.stdout.write(text)
         sys.stdout.flush()
     else:
-        atomic_write_text(path, text)
+        try:
+            atomic_write_text(path, text)
+        except OSError as exc:
+            from sim.errors import InputError
+
+            raise InputError(f"cannot write '{path}': {exc.strerror or exc}", field="--json") from None

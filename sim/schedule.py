@@ -262,8 +262,27 @@ class _Builder:
         self.compute([("permute", moe), ("route", None), ("attention", None)], "bwd", i, micro)
 
 
-def build_schedule(s: Scenario, plan: RoutingPlan | None, cost: CostModel, compute_factor: np.ndarray) -> Schedule:
-    """The ops of one step of scenario ``s`` (see the module docstring)."""
+def apply_jitter(ops: list, jitter) -> None:
+    """Multiply every kernel of every rank by its own draw of ``jitter(rank, n)`` (in op order, so a
+    rank's draws do not depend on other ranks)."""
+    computes = [op for op in ops if isinstance(op, Compute)]
+    n = sum(len(op.names) for op in computes)
+    if not n:
+        return
+    world = computes[0].durs.shape[1]
+    factors = np.stack([np.asarray(jitter(r, n), dtype=np.float64) for r in range(world)], axis=1)
+    at = 0
+    for op in computes:
+        k = len(op.names)
+        op.durs = op.durs * factors[at : at + k]
+        at += k
+
+
+def build_schedule(
+    s: Scenario, plan: RoutingPlan | None, cost: CostModel, compute_factor: np.ndarray, jitter=None
+) -> Schedule:
+    """The ops of one step of scenario ``s`` (see the module docstring); ``compute_factor`` (world,)
+    slows every kernel of a rank (stragglers), ``jitter(rank, n)`` draws per-kernel noise factors."""
     b = _Builder(s, plan, cost, compute_factor)
     m, t = s.model, s.training
     stage, micros = s.parallelism.zero_stage, t.grad_accum_steps
@@ -313,6 +332,8 @@ def build_schedule(s: Scenario, plan: RoutingPlan | None, cost: CostModel, compu
             b.ops.append(GradReady(-1, emb, 0, flush=True, blocking=not overlap))
     if stage == 0:
         b.ops.append(GradReady(-1, sum(ne) + emb + head, sum(ex), flush=True))
+    if jitter is not None:
+        apply_jitter(b.ops, jitter)
     dp, edp = s.dp, s.edp
     ne_total, ex_total = sum(ne) + emb + head + counts.mtp, sum(ex)
     opt_params = (-(-ne_total // dp) + -(-ex_total // edp)) if stage >= 1 else ne_total + ex_total

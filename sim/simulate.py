@@ -38,19 +38,21 @@ def cost_model(s: Scenario) -> CostModel:
 
 def compute_factors(s: Scenario) -> np.ndarray:
     """Per-rank compute slowdown (stragglers from ``faults``), 1 everywhere on a healthy cluster."""
-    try:
-        from sim.faults import compute_factors as faulty
-    except ImportError:  # pragma: no cover - faults module not present
-        return np.ones(s.world_size)
+    from sim.faults import compute_factors as faulty
+
     return np.asarray(faulty(s), dtype=np.float64)
 
 
 def _cluster(s: Scenario):
-    try:
-        from sim.faults import apply_faults
-    except ImportError:  # pragma: no cover
-        return cluster_for(s)
+    """The scenario's cluster with its faulty links (degraded, or failed and routed around)."""
+    from sim.faults import apply_faults
+
     return apply_faults(cluster_for(s), s)
+
+
+def has_faults(s: Scenario) -> bool:
+    f = s.faults
+    return bool(f.links or f.stragglers or (f.jitter is not None and f.jitter.kernel_cv > 0))
 
 
 def resolve_comm_model(s: Scenario, comm_model: str) -> str:
@@ -68,8 +70,11 @@ def simulate(
     policy: str | None = None,
     trace_ranks: set[int] | None = None,
     plan=None,
+    healthy: bool = True,
 ) -> dict[str, Any]:
-    """Simulate one step of ``s``; returns the JSON-ready result (and ``_spans`` when tracing)."""
+    """Simulate one step of ``s``; returns the JSON-ready result (and ``_spans`` when tracing).
+    A scenario with ``faults`` is also run on the healthy cluster (``healthy=False`` skips it): the
+    result's ``faults`` section gives the slowdown and who waited on whom."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     from sim.routing import route_scenario
@@ -79,7 +84,9 @@ def simulate(
         plan = route_scenario(s, policy)
     cost = cost_model(s)
     factor = compute_factors(s)
-    sched = build_schedule(s, plan, cost, factor)
+    from sim.faults import jitter_sampler
+
+    sched = build_schedule(s, plan, cost, factor, jitter_sampler(s))
     cluster = _cluster(s)
     if engine == "analytic":
         from sim.analytic import analytic_step
@@ -93,6 +100,19 @@ def simulate(
         core = _from_engine(s, res)
         spans = res.spans
     out = _assemble(s, plan, sched, core, engine)
+    if healthy and has_faults(s):
+        from sim.faults import describe_faults, without_faults
+
+        base = simulate(without_faults(s), engine, comm_model, policy, plan=plan, healthy=False)
+        out["faults"] = {
+            "step_time_s": out["step_time_s"],
+            "healthy_step_time_s": base["step_time_s"],
+            "slowdown": out["step_time_s"] / base["step_time_s"] - 1 if base["step_time_s"] > 0 else 0.0,
+            "healthy_breakdown_s": base["breakdown_s"],
+            "links": describe_faults(cluster_for(s, faults=False), s) if s.faults.links else [],
+            "stragglers": [{"rank": x.rank, "compute_factor": x.compute_factor} for x in s.faults.stragglers],
+            "jitter_cv": s.faults.jitter.kernel_cv if s.faults.jitter is not None else 0.0,
+        }
     if spans is not None and trace_ranks:
         out["_spans"] = spans
     return out
