@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import ROOT, run_cli
+
 from sim.ioutil import dumps_json
 from sim.scenario import load_scenario
 from sim.simulate import simulate
