@@ -79,7 +79,8 @@ def dag_lower_bound_s(cluster: Cluster, dag: TransferDag) -> float:
 def dag_critical_latency_s(cluster: Cluster, dag: TransferDag) -> float:
     """Longest chain of dependent transfers counting only path latencies (a bound: no byte is free).
 
-    Kahn's topological order, one vectorised relaxation per level of the DAG.
+    Kahn's topological order, one vectorised relaxation per level over the frontier's dependents
+    only (a CSR of who waits on whom), so the cost is linear in the DAG's edges.
     """
     n = len(dag.src)
     if not n:
@@ -88,19 +89,26 @@ def dag_critical_latency_s(cluster: Cluster, dag: TransferDag) -> float:
     owner = np.repeat(np.arange(n), np.diff(indptr))
     lat = np.bincount(owner, weights=cluster.link_latency_s[links], minlength=n)
     counts = np.diff(dag.prereq_indptr).astype(np.int64)
-    waiter = np.repeat(np.arange(n), counts)
+    waiter = np.repeat(np.arange(n), counts)  # waiter[e] waits for dag.prereq[e]
+    order = np.argsort(dag.prereq, kind="stable")
+    dep_of = waiter[order]
+    dep_start = np.searchsorted(dag.prereq[order], np.arange(n + 1))
     ready_at = np.zeros(n)  # latest end among the prerequisites seen so far
     end = np.zeros(n)
-    frontier = np.flatnonzero(counts == 0)
     left = counts.copy()
+    frontier = np.flatnonzero(counts == 0)
     while len(frontier):
         end[frontier] = ready_at[frontier] + lat[frontier]
-        done = np.zeros(n, dtype=bool)
-        done[frontier] = True
-        hit = done[dag.prereq]
-        np.maximum.at(ready_at, waiter[hit], end[dag.prereq[hit]])
-        np.subtract.at(left, waiter[hit], 1)
-        frontier = np.unique(waiter[hit][left[waiter[hit]] == 0])
+        lengths = dep_start[frontier + 1] - dep_start[frontier]
+        total = int(lengths.sum())
+        if not total:
+            break
+        offsets = np.cumsum(lengths) - lengths
+        idx = np.repeat(dep_start[frontier] - offsets, lengths) + np.arange(total)
+        w = dep_of[idx]
+        np.maximum.at(ready_at, w, np.repeat(end[frontier], lengths))
+        np.subtract.at(left, w, 1)
+        frontier = np.unique(w[left[w] == 0])
     return float(end.max())
 
 
