@@ -14,11 +14,12 @@ for it. Format: https://docs.google.com/document/d/1CvAClvFfyA5R-PhYUmn5OOQtYMH4
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from sim.ioutil import atomic_write_text, dumps_json
+from sim.ioutil import _clean, atomic_write_text
 
 STREAMS = ("compute", "comm")
 A2A_NAMES = ("dispatch", "combine")
@@ -111,7 +112,8 @@ def write_chrome_trace(path: str | Path, spans, scenario, result: dict[str, Any]
                       "num_gpus": result.get("num_gpus"), "generator": "moesim"},  # fmt: skip
     }
     try:
-        atomic_write_text(path, dumps_json(doc))
+        # compact (traces run to 10^5 events), keys sorted: same step, same bytes
+        atomic_write_text(path, json.dumps(_clean(doc), sort_keys=True, separators=(",", ":"), allow_nan=False) + "\n")
     except OSError as exc:
         from sim.errors import InputError
 

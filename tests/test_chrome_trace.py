@@ -151,3 +151,11 @@ def test_cli_trace_to_an_unwritable_path_exits_2(tmp_path, capsys):
     argv = ["simulate", str(SCENARIOS / "cpu-2rank.yaml"), "--trace", str(blocker / "t.json")]
     assert main(argv) == 2
     assert "--trace" in capsys.readouterr().err
+
+
+def test_same_step_same_trace_bytes(traced, tmp_path):
+    s, res, spans = traced
+    write_chrome_trace(tmp_path / "a.json", spans, s, res, flows=True)
+    s2, res2, spans2 = _run(SMALL)
+    write_chrome_trace(tmp_path / "b.json", spans2, s2, res2, flows=True)
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
