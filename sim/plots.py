@@ -272,11 +272,14 @@ def plot_sweep(path: str | Path, doc: dict[str, Any], x_key: str) -> Path:
         a1.plot(xs, [p[1] for p in pts], marker="o", label=label)
         a2.plot(xs, [p[2] for p in pts], marker="o", label=label)
     xs_all = sorted({v for vs in (s for s in series.values()) for v, _, _ in vs})
-    unit = " (nodes)" if x_key == "cluster.nodes" else ""
+    unit = " (nodes; GPUs below)" if x_key == "cluster.nodes" else ""
+    gpus = {r["overrides"][x_key]: r["num_gpus"] for r in doc["runs"]}
+    ticks = [f"{v:g}\n({gpus[v]})" if x_key == "cluster.nodes" else f"{v:g}" for v in xs_all]
     for ax in (a1, a2):
         if xs_all and min(xs_all) > 0 and max(xs_all) / min(xs_all) >= 8:
             ax.set_xscale("log", base=2)
-        ax.set_xticks(xs_all, [f"{v:g}" for v in xs_all])
+        ax.set_xticks(xs_all, ticks)
+        ax.minorticks_off()
         ax.set_xlabel(f"{x_key}{unit}")
         ax.grid(alpha=0.3)
     a1.set_ylabel("step time (s)")
