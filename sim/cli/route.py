@@ -7,6 +7,7 @@ from typing import Any
 
 from sim.cli.common import add_json_argument, add_scenario_arguments, scenario_from_args
 from sim.errors import InputError
+from sim.guard import check_resources
 from sim.ioutil import write_json
 
 DEFAULT_TOUCHED = "1,4,16,64,256,1024"
@@ -28,6 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exact: every token sampled; pooled: counts drawn from an exact pool (fast); auto: exact while small",
     )
     parser.add_argument("--plot", metavar="PNG", help="write the traffic heatmap and expert-load histogram")
+    parser.add_argument("--force", action="store_true", help="run even if the resource guard estimates it would exhaust this machine")
     add_json_argument(parser)
 
 
@@ -48,6 +50,7 @@ def run(args: argparse.Namespace) -> int:
 
     touched_sizes = parse_touched(args.touched)
     scenario = scenario_from_args(args)
+    check_resources(scenario, engine="route", force=args.force)
     plan = route_scenario(scenario, args.policy, method=args.method)
     stats = plan.summary()
     result: dict[str, Any] = {

@@ -9,6 +9,7 @@ from typing import Any
 
 from sim.cli.common import add_json_argument, add_scenario_arguments, scenario_from_args
 from sim.errors import InputError
+from sim.guard import check_resources
 from sim.ioutil import write_json
 
 
@@ -35,6 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks in the trace (default: every rank up to 64 GPUs, else the first two nodes)",
     )
     parser.add_argument("--plot", metavar="DIR", help="write breakdown and per-rank PNGs into DIR")
+    parser.add_argument("--force", action="store_true", help="run even if the resource guard estimates it would exhaust this machine")
     add_json_argument(parser)
 
 
@@ -66,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
     from sim.simulate import simulate
 
     scenario = scenario_from_args(args)
+    check_resources(scenario, engine=args.engine, comm_model=args.comm_model, force=args.force)
     trace_ranks = None
     if args.trace or args.plot:
         trace_ranks = (
