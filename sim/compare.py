@@ -98,10 +98,11 @@ def row(case: Case, result: dict[str, Any]) -> dict[str, Any]:
 
 def run_compare(
     scenario_path: str, base: list[str], policies: list[str], varies, *, engine: str = "des",
-    comm_model: str = "auto", healthy: bool = False, progress=None,
+    comm_model: str = "auto", healthy: bool = False, progress=None, force: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     """Simulate every case (validated up front); rows in case order, speed-up against the first."""
     from sim.faults import without_faults
+    from sim.guard import check_resources
     from sim.routing_policy import RoutingPolicy
     from sim.simulate import has_faults, simulate
 
@@ -116,6 +117,7 @@ def run_compare(
             s = load_scenario(scenario_path, [*base, *c.overrides]) if c.overrides else base_s
             if s.model.num_moe_layers:
                 RoutingPolicy.resolve(s, c.policy, field="--policy" if c.policy else "routing.policy")
+            check_resources(s, engine=engine, comm_model=comm_model, force=force)
         except InputError as exc:
             if c.overrides:
                 exc.message += f" (with {', '.join(c.overrides)})"

@@ -15,9 +15,10 @@ constant calibrated by measured runs (peak RSS from ``/proc/self/status`` VmHWM,
   of the data-parallel gradient reduction, which :func:`sim.comm.reduction_model` builds transfer
   by transfer: (n-1) x channels x n transfers (2x for all-reduce) at ~200 B each;
 * analytic: the same ring DAG and a few world x world temporaries per (layer, micro-batch);
-* time: ~25 us per SimPy event (11 per EP group and MoE cell, 1.6 per rank and layer-micro),
-  ~1.5 us per ring-DAG transfer, x6 per event for the two-phase (hierarchical) all-to-all under
-  ps; the flow comm model ~3 ms x (1 + world/64) per all-to-all flow and cell.
+* time: under ps, 60 us + 0.55 us x ep^2 per EP-group all-to-all launch (4 per MoE layer and
+  micro-batch, x6 hierarchical), ~5 us per other SimPy event (1.6 per rank, layer and micro-batch
+  at ZeRO-2, 18.5 at ZeRO-3), ~1.5 us per ring-DAG transfer; the flow comm model ~3 ms x
+  (1 + world/64) per all-to-all flow and cell.
 
 A run is refused when the peak exceeds ``MEMORY_FRACTION`` of ``MemAvailable`` (``/proc/meminfo``)
 or the time exceeds ``TIME_LIMIT_S`` (env ``MOESIM_TIME_LIMIT_S``); ``--force`` runs it anyway.
@@ -52,9 +53,11 @@ ROUTE_S, ROUTE_S_PER_ELEM = 1.5, 5e-8  # pooled routing
 EXACT_S_PER_ELEM = 6e-8  # exact routing, per (token x expert)
 SUMMARY_S_PER_ELEM = 1.2e-8
 SCHEDULE_S, SCHEDULE_S_PER_CELL = 0.5, 4e-6  # per (layer, micro, rank)
-EVENT_S = 25e-6
-EVENT_S_PER_EP2 = 1.7e-8  # per event and ep^2: the all-to-all flows of a launch
-HIERARCHICAL_EVENT_FACTOR = 6.0
+LAUNCH_S, LAUNCH_S_PER_EP2 = 60e-6, 0.55e-6  # one EP group's all-to-all launch under ps (ep^2 flows)
+HIERARCHICAL_LAUNCH_FACTOR = 6.0  # two phases, relays, node bytes
+EVENT_S = 5e-6  # any other SimPy event (gradient hand-overs, parameter gathers, timeouts)
+#: SimPy events per (layer, micro-batch, rank) by ZeRO stage: gradient buckets (1, 2), gathers (3)
+EVENTS_PER_RANK_LAYER = {0: 0.0, 1: 0.2, 2: 1.6, 3: 18.5}
 RING_S_PER_TRANSFER = 1.5e-6
 MATRIX_S_PER_ELEM = 3e-8  # per world^2 element and (MoE layer, micro-batch): dispatch matrices
 FLOW_S_PER_FLOW = 3e-3  # flow comm model, per all-to-all flow and (MoE layer, micro-batch)
@@ -80,6 +83,7 @@ class Shape:
     capped: bool
     a2a: str
     zero_stage: int
+    recompute: bool  # activation checkpointing: the forward (all-to-alls included) runs twice
     buckets: int  # gradient buckets per reduction phase (non-expert + expert)
     faults: bool
     pool_tokens: int
@@ -123,6 +127,7 @@ def shape_of(s) -> Shape:
         capped=r.capacity_factor is not None,
         a2a=s.collectives.all_to_all,
         zero_stage=s.parallelism.zero_stage,
+        recompute=t.activation_checkpointing,
         buckets=max(buckets, 1),
         faults=bool(f.links or f.stragglers or (f.jitter is not None and f.jitter.kernel_cv > 0)),
         pool_tokens=max(POOL_TOKENS, (m.num_moe_layers if drift else 1) * 4096),
@@ -232,22 +237,20 @@ def estimate(s_or_shape, engine: str = "des", comm_model: str = "auto") -> Estim
         transient["ring DAG of the gradient reduction"] = RING_TRANSFER_BYTES * ring_peak
         transient["dispatch matrix temporaries"] = 4 * matrix if cells else 0.0
         groups = w / ep
-        events = 11.0 * groups * cells + 1.6 * w * cells_all
+        launches = 4.0 * groups * cells * (1.5 if sh.recompute else 1.0)
+        events = 3.0 * launches + EVENTS_PER_RANK_LAYER[sh.zero_stage] * w * cells_all
         if model == "ps":
-            per_event = EVENT_S + EVENT_S_PER_EP2 * ep * ep
+            per_launch = LAUNCH_S + LAUNCH_S_PER_EP2 * ep * ep
             if sh.a2a == "hierarchical":
-                per_event *= HIERARCHICAL_EVENT_FACTOR
-            engine_s = events * per_event + RING_S_PER_TRANSFER * ring_total
+                per_launch *= HIERARCHICAL_LAUNCH_FACTOR
+            engine_s = launches * per_launch + events * EVENT_S + RING_S_PER_TRANSFER * ring_total
         else:
             flows = w * max(ep - 1, 0) * cells * (2.0 if sh.a2a == "hierarchical" else 1.0)
             phases = sh.micro if sh.zero_stage >= 2 else 1
             gathers = 2 * cells_all if sh.zero_stage == 3 else 2
             ring_runs = (phases * sh.buckets + gathers) * ring_peak
-            engine_s = (
-                FLOW_S_PER_FLOW * (1 + w / 64) * flows
-                + FLOW_RING_S_PER_TRANSFER * ring_runs
-                + events * EVENT_S
-            )
+            engine_s = FLOW_S_PER_FLOW * (1 + w / 64) * flows + FLOW_RING_S_PER_TRANSFER * ring_runs
+            engine_s += events * EVENT_S
         tim["engine"] = faults * (engine_s + MATRIX_S_PER_ELEM * cells * w * w)
     else:
         raise ValueError(f"engine must be des, analytic or route, got {engine!r}")

@@ -115,17 +115,40 @@ def product(varies: list[tuple[str, list[tuple[str, Any]]]]) -> list[Point]:
     return points
 
 
-def load_points(path: str | Path, base: list[str], points: list[Point]) -> list[Scenario]:
-    """Load and validate every point before anything runs: a bad combination exits 2 up front."""
+def load_points(
+    path: str | Path, base: list[str], points: list[Point], guard: dict[str, Any] | None = None
+) -> list[Scenario]:
+    """Load and validate every point before anything runs: a bad combination exits 2 up front. With
+    ``guard`` (keyword arguments of :func:`sim.guard.check_resources`) each point must also fit the
+    resource guard."""
     out = []
     for pt in points:
         try:
-            out.append(load_scenario(path, [*base, *pt.texts]))
+            s = load_scenario(path, [*base, *pt.texts])
+            if guard is not None:
+                from sim.guard import check_resources
+
+                check_resources(s, **guard)
+            out.append(s)
         except InputError as exc:
             if pt.texts:
                 exc.message = f"{exc.message} (at sweep point {pt.label})"
             raise
     return out
+
+
+def guard_args(engine: str, comm_model: str, force: bool, backend: str, jobs: int, address: str | None,
+               points: int) -> dict[str, Any] | None:  # fmt: skip
+    """The resource guard for this machine's share of a sweep: the runs in flight at once share its
+    memory; runs on a remote Ray cluster (``--address``) are not this machine's to guard."""
+    if force or (backend == "ray" and address):
+        return None
+    from sim.guard import available_memory_bytes
+
+    avail = available_memory_bytes()
+    share = max(1, min(jobs, points))
+    return {"engine": engine, "comm_model": comm_model,
+            "available_bytes": None if avail is None else avail / share}  # fmt: skip
 
 
 # ---- the JSONL log -------------------------------------------------------------------------------
@@ -278,11 +301,13 @@ def run_sweep(
     jsonl: Path,
     fresh: bool = False,
     progress: bool = True,
+    force: bool = False,
 ) -> dict[str, Any]:
     """Run every point not yet in ``jsonl``; returns ``{"runs": [...], ...}`` with the runs in
     product order, plus ``_resumed`` (points found in the log) and ``_jsonl`` for the caller."""
     points = product(varies)
-    scenarios = load_points(scenario_path, base, points)
+    guard = guard_args(engine, comm_model, force, backend, jobs, address, len(points))
+    scenarios = load_points(scenario_path, base, points, guard)
     header = sweep_header(scenario_path, base, engine, comm_model)
     done = {} if fresh else read_log(jsonl, header)
     resumed = sum(pt.key in done for pt in points)
@@ -335,6 +360,7 @@ __all__ = [
     "Point",
     "RunLog",
     "default_jsonl",
+    "guard_args",
     "load_points",
     "parse_vary",
     "parse_varies",

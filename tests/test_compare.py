@@ -176,3 +176,13 @@ def test_deepseek_v3_node_limit_caps_nodes_per_token():
     assert m8["step_time_s"] == topk["step_time_s"] and m8["inter_node_bytes"] == topk["inter_node_bytes"]
     assert m2["mean_nodes_per_token"] <= 2.0 and topk["mean_nodes_per_token"] > 4.0
     assert m2["inter_node_bytes"] < topk["inter_node_bytes"]
+
+
+def test_resource_guard_refuses_and_force_runs(monkeypatch, capsys):
+    monkeypatch.setenv("MOESIM_TIME_LIMIT_S", "0.000001")
+    argv = ["compare", BIG, *(x for o in SMALL for x in ("--set", o)), "--policy", "topk", "--policy",
+            "node_limited:M=1", "--no-progress"]  # fmt: skip
+    assert main(argv) == 2
+    assert "time limit" in capsys.readouterr().err
+    code, doc = _compare("--policy", "topk", "--policy", "node_limited:M=1", "--force", capsys=capsys)
+    assert code == 0 and len(doc["policies"]) == 2

@@ -190,3 +190,13 @@ def test_ray_backend_equals_local(tmp_path):
     code2, _, ray_out = _sweep(tmp_path, *args, "--backend", "ray", name="ray")
     assert code1 == code2 == 0
     assert local.read_bytes() == ray_out.read_bytes()
+
+
+def test_resource_guard_refuses_a_point_and_force_runs(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("MOESIM_TIME_LIMIT_S", "0.000001")
+    code, _, _ = _sweep(tmp_path, "--vary", "routing.seed=0,1", "--jobs", "1")
+    assert code == 2
+    err = capsys.readouterr().err
+    assert "time limit" in err and "(at sweep point routing.seed=0)" in err
+    code, doc, _ = _sweep(tmp_path, "--vary", "routing.seed=0,1", "--jobs", "1", "--force")
+    assert code == 0 and len(doc["runs"]) == 2

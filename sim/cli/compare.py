@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comm model of the des engine (default auto)")  # fmt: skip
     parser.add_argument("--plot", metavar="PNG", help="grouped bars: step time split, inter-node bytes, load, gate mass")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--force", action="store_true",
+                        help="run cases the resource guard estimates would exhaust this machine")  # fmt: skip
     add_json_argument(parser)
 
 
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{i + 1}/{n}] {what}{extra}{' (healthy)' if case.healthy else ''}", file=sys.stderr, flush=True)
 
     doc = run_compare(args.scenario, args.overrides, args.policy, varies, engine=args.engine,
-                      comm_model=args.comm_model, healthy=args.healthy, progress=progress)  # fmt: skip
+                      comm_model=args.comm_model, healthy=args.healthy, progress=progress,
+                      force=args.force)  # fmt: skip
     if args.plot:
         try:
             plot_compare(args.plot, doc)

@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the --vary key on the plot's x axis (default cluster.nodes if varied, "
                         "else the first numeric one)")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    parser.add_argument("--force", action="store_true",
+                        help="run points the resource guard estimates would exhaust this machine")  # fmt: skip
     add_json_argument(parser)
 
 
@@ -76,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     jobs = args.jobs or os.cpu_count() or 1
     doc = run_sweep(path, args.overrides, varies, engine=args.engine, comm_model=args.comm_model,
                     backend=args.backend, jobs=jobs, address=args.address, jsonl=jsonl,
-                    fresh=args.fresh, progress=not args.no_progress)  # fmt: skip
+                    fresh=args.fresh, progress=not args.no_progress, force=args.force)  # fmt: skip
     resumed, log_path = doc.pop("_resumed"), doc.pop("_jsonl")
     if args.plot:
         from sim.plots import plot_sweep
