@@ -88,6 +88,8 @@ class _Paths:
         self.by_owner = np.argsort(self.owner, kind="stable")
         counts = np.bincount(self.owner, minlength=self.n)
         self.owner_starts = np.r_[0, np.cumsum(counts)[:-1]]
+        # flows that cross links (a flow to the own rank, or no flows at all -- ep = 1 -- cross none)
+        self.routed = np.flatnonzero(counts > 0)
         self.flow_bytes = np.zeros(self.n)  # bytes each flow carried so far (for link totals)
         self.cluster = cluster
 
@@ -105,7 +107,9 @@ class _Paths:
         served = csum[1:] - csum[self.seg_start]
         finish = np.empty(len(sz))
         finish[order] = (served + sz * self.larger) / self.bw[order]  # back to by-link order
-        per_flow = np.maximum.reduceat(finish[self.by_owner], self.owner_starts)
+        per_flow = np.zeros(self.n)
+        if len(self.routed):
+            per_flow[self.routed] = np.maximum.reduceat(finish[self.by_owner], self.owner_starts[self.routed])
         self.flow_bytes += nbytes
         return np.where(nbytes > 0, per_flow + self.latency, 0.0)
 
