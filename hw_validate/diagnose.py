@@ -26,6 +26,8 @@ _PEER_LOST = re.compile(
     r"Application timeout caused pair closure|terminated by launcher",
     re.IGNORECASE,
 )
+#: the line that says why a process stopped: our own "<tool>: error: ..." or a Python exception
+_CAUSE = re.compile(r"^\s*(?:\w+: error: .+|(?:[A-Za-z_][\w.]*\.)?[A-Z]\w*(?:Error|Exception|Interrupt)(?:: .+)?)$")
 _FRAME = re.compile(r'^\s*File "([^"]+)", line (\d+) in (\S+)')
 _COLLECTIVE_PATHS = ("/torch/distributed/", "/deepspeed/comm/", "/torch/nn/parallel/")
 
@@ -74,6 +76,16 @@ def innermost_frame(lines: list[str]) -> str | None:
         m = _FRAME.match(line)
         if m:
             return f"{m.group(1)}:{m.group(2)} in {m.group(3)}"
+    return None
+
+
+def cause_of(lines: list[str]) -> str | None:
+    """The last line of ``lines`` that states a cause (``train_moe: error: ...`` or an exception's
+    ``SomeError: message``), stripped and shortened to one screen line; None if there is none."""
+    for line in reversed(lines):
+        if _CAUSE.match(line) or "No module named" in line:
+            text = line.strip()
+            return text if len(text) <= 300 else text[:297] + "..."
     return None
 
 
@@ -128,9 +140,11 @@ def explain_exit(states: list[RankState], launcher_rc: int, run_dir: Path) -> tu
         if s.rank != bad.rank
     ]
     lines = "\n".join(f"    {line}" for line in bad.last_lines) or "    (no output)"
+    cause = cause_of(bad.last_lines)
     msg = (
         f"rank {bad.rank} exited with {_status(bad.returncode or 0)} {_where(bad)}"
         + (f" ({'; '.join(others)})" if others else "")
+        + (f": {cause}" if cause else "")
         + f"\n  last lines of rank {bad.rank} ({run_dir / 'logs' / f'rank{bad.rank}.log'}):\n{lines}"
     )
     return bad.rank, msg

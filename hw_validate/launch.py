@@ -40,7 +40,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from hw_validate.diagnose import explain_exit, explain_timeout, read_states
+from hw_validate.diagnose import cause_of, explain_exit, explain_timeout, read_states
 from sim.errors import InputError
 from sim.scenario import load_scenario
 
@@ -68,6 +68,23 @@ class JobResult:
     logs: Path
     wall_s: float
     command: list[str]
+
+
+def missing_packages(launcher: str) -> None:
+    """Raise :class:`JobError` (one line) when this Python lacks what the job imports: torch, and
+    DeepSpeed (the job's engine, and the ``deepspeed`` launcher). Cheap: looks, does not import."""
+    import importlib.util
+
+    for name, why in (("torch", "the job's model"), ("deepspeed", "the job's engine" + (" and launcher" if launcher == "deepspeed" else ""))):
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError):  # blocked (sys.modules[name] = None) or broken
+            spec = None
+        if spec is None:
+            raise JobError(
+                f"{name} is not installed for {sys.executable} ({why}): install the hw extra, "
+                f"`pip install torch==2.13.0 && pip install -e '.[hw]'` (a CUDA build of torch on GPU machines)"
+            )
 
 
 def free_port() -> int:
@@ -178,6 +195,7 @@ def run_job(
         raise InputError(f"unknown launcher '{launcher}'; use one of {', '.join(LAUNCHERS)}", field="--launcher")
     if steps is not None and steps < 1:
         raise InputError("must be >= 1", field="--steps")
+    missing_packages(launcher)
     out = Path(out_dir) if out_dir is not None else Path("runs") / scen.name
     out.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
@@ -221,6 +239,9 @@ def run_job(
         else:
             rank, msg = explain_exit(states, rc, staging)
         if rank is None and keep:
+            cause = cause_of(list(keep))
+            if cause:
+                msg = msg.replace("\n", f": {cause}\n", 1) if "\n" in msg else f"{msg}: {cause}"
             msg += "\n  last lines of the launcher:\n" + "\n".join(f"    {line}" for line in list(keep)[-15:])
         failed = _keep_failed(staging, out)
         raise JobError(msg.replace(str(staging), str(failed)), rank=rank, run_dir=failed, returncode=rc)

@@ -110,7 +110,36 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_moe: error: {exc}", file=sys.stderr)
         return 2
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    why = preflight()
+    if why:
+        print(f"train_moe: error: {why}", file=sys.stderr, flush=True)
+        return 2
     return _run(args, scenario, notices, steps, warmup)
+
+
+def preflight() -> str | None:
+    """Why this rank cannot run here (None if it can): DeepSpeed or torch missing, or the CUDA
+    accelerator asked for (``DS_ACCELERATOR=cuda``, or picked by DeepSpeed) without a GPU for every
+    local rank. Said in one line before DeepSpeed fails deeper down with a longer story."""
+    for name in ("torch", "deepspeed"):
+        try:
+            __import__(name)
+        except ImportError as exc:
+            return (f"{name} cannot be imported by {sys.executable} ({exc}); install the hw extra: "
+                    f"pip install torch==2.13.0 && pip install -e '.[hw]'")  # fmt: skip
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cuda":
+        return None
+    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if have >= local:
+        return None
+    built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
+    return (f"the CUDA accelerator is selected (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR', 'auto')}) but torch "
+            f"{torch.__version__} ({built}) sees {have} GPU(s) for {local} local ranks: run on a node with {local} "
+            f"GPUs, launch fewer ranks, or set DS_ACCELERATOR=cpu for CPU ranks on gloo")  # fmt: skip
 
 
 def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps: int, warmup: int) -> int:
