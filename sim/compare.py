@@ -59,6 +59,28 @@ def build_cases(scenario: Scenario, policies: list[str], varies) -> list[Case]:
     return cases
 
 
+def effective_policy(s: Scenario, text: str | None) -> tuple[str | None, str | None]:
+    """(policy to simulate, note) for ``--policy text``: a group-limited M at or above the number of
+    groups one EP group spans limits nothing, so it runs as M = that number (the same selection as
+    topk) with a note saying so -- a comparison over M = 1, 2, 4 stays one command on a scenario whose
+    EP group spans 2 nodes. Everything else is checked as usual by RoutingPolicy.resolve."""
+    from sim.routing_policy import ExpertLayout, _group_size
+
+    if text is None or not s.model.num_moe_layers:
+        return text, None
+    try:
+        name, m = parse_policy(text)
+    except ValueError:
+        return text, None  # resolve() reports it
+    if name == "topk" or m is None:
+        return text, None
+    groups = s.model.num_experts // _group_size(name, ExpertLayout.of(s), "--policy")
+    if m <= groups:
+        return text, None
+    word = "nodes" if name == "node_limited" else "devices"
+    return f"{name}:M={groups}", f"M={m} >= the {groups} {word} one EP group spans: no limit, run as M={groups} (= topk)"
+
+
 def case_label(case: Case, result: dict[str, Any]) -> str:
     label = result["policy"] or "dense"
     if case.overrides:
@@ -111,12 +133,13 @@ def run_compare(
     if not cases or (len(cases) == 1 and not healthy):
         raise InputError("nothing to compare: give two or more --policy, or a --vary with several values",
                          field="--policy")  # fmt: skip
-    loaded: list[tuple[Case, Scenario]] = []
+    loaded: list[tuple[Case, Scenario, str | None, str | None]] = []
     for c in cases:
         try:
             s = load_scenario(scenario_path, [*base, *c.overrides]) if c.overrides else base_s
+            policy, note = effective_policy(s, c.policy)
             if s.model.num_moe_layers:
-                RoutingPolicy.resolve(s, c.policy, field="--policy" if c.policy else "routing.policy")
+                RoutingPolicy.resolve(s, policy, field="--policy" if c.policy else "routing.policy")
             check_resources(s, engine=engine, comm_model=comm_model, force=force)
         except InputError as exc:
             if c.overrides:
@@ -124,14 +147,18 @@ def run_compare(
             raise
         if healthy and not has_faults(s):
             raise InputError("the scenario has no faults to remove (no faults section)", field="--healthy")
-        loaded.append((c, s))
+        loaded.append((c, s, policy, note))
         if healthy:
-            loaded.append((Case(c.policy, c.overrides, c.values, healthy=True), without_faults(s)))
+            loaded.append((Case(c.policy, c.overrides, c.values, healthy=True), without_faults(s), policy, note))
     rows = []
-    for i, (c, s) in enumerate(loaded):
+    for i, (c, s, policy, note) in enumerate(loaded):
         if progress is not None:
             progress(i, len(loaded), c)
-        rows.append(row(c, simulate(s, engine=engine, comm_model=comm_model, policy=c.policy, healthy=False)))
+        r = row(c, simulate(s, engine=engine, comm_model=comm_model, policy=policy, healthy=False))
+        if note:
+            r["policy"] = case_label(Case(c.policy, c.overrides, c.values, c.healthy), {"policy": c.policy})
+            r["note"] = note
+        rows.append(r)
     first = rows[0]["step_time_s"]
     for r in rows:
         r["speedup"] = first / r["step_time_s"] if r["step_time_s"] > 0 else None
@@ -171,6 +198,7 @@ def format_table(doc: dict[str, Any]) -> str:
         "  ".join(h.ljust(w[0]) if i == 0 else h.rjust(w[i]) for i, h in enumerate(head)),
     ]
     lines += ["  ".join(c.ljust(w[0]) if i == 0 else c.rjust(w[i]) for i, c in enumerate(x)) for x in rows]
+    lines += [f"note: {r['policy']}: {r['note']}" for r in doc["policies"] if r.get("note")]
     lines.append(
         "a2a s / wait s: mean per rank per step in all-to-alls / waiting at their barriers; inter-node GB: "
         "all-to-all bytes a GPU sends across nodes per step; speed-up: first row's step time / this row's"

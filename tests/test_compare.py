@@ -141,7 +141,7 @@ def test_table_and_analytic_engine(capsys):
     [
         (["--policy", "topk"], "nothing to compare"),
         (["--policy", "bogus", "--policy", "topk"], "--policy"),
-        (["--policy", "node_limited:M=9", "--policy", "topk"], "exceeds"),
+        (["--policy", "node_limited:M=0", "--policy", "topk"], "fewer than top_k"),
         (["--vary", "routing.max_groups=1,2"], "no effect under the scenario's policy topk"),
         (["--policy", "node_limited:M=1", "--vary", "routing.max_groups=1,2"], "fixes M already"),
         (["--vary", "routing.nope=1,2"], "unknown override path"),
@@ -186,3 +186,22 @@ def test_resource_guard_refuses_and_force_runs(monkeypatch, capsys):
     assert "time limit" in capsys.readouterr().err
     code, doc = _compare("--policy", "topk", "--policy", "node_limited:M=1", "--force", capsys=capsys)
     assert code == 0 and len(doc["policies"]) == 2
+
+
+def test_m_above_the_groups_spanned_runs_unlimited_with_a_note(capsys):
+    """EP16 spans 2 nodes: node_limited:M=4 limits nothing, so it runs (as M=2) and selects exactly
+    what topk selects -- the issue's comparison M = 1, 2, 4 stays one command -- with a note."""
+    code, doc = _compare("--policy", "topk", "--policy", "node_limited:M=4", "--policy", "device_limited:M=99",
+                         capsys=capsys)  # fmt: skip
+    assert code == 0
+    topk, m4, d99 = doc["policies"]
+    assert m4["policy"] == "node_limited:M=4" and "no limit, run as M=2" in m4["note"]
+    assert d99["policy"] == "device_limited:M=99" and "16 devices" in d99["note"]
+    for r in (m4, d99):
+        assert r["step_time_s"] == topk["step_time_s"] and r["inter_node_bytes"] == topk["inter_node_bytes"]
+        assert r["retained_gate_mass"] == topk["retained_gate_mass"] == 1.0
+    assert "note" not in topk
+    argv = ["compare", BIG, *(x for o in SMALL for x in ("--set", o)), "--policy", "topk", "--policy",
+            "node_limited:M=4", "--no-progress"]  # fmt: skip
+    assert main(argv) == 0
+    assert "note: node_limited:M=4: M=4 >= the 2 nodes one EP group spans" in capsys.readouterr().out
