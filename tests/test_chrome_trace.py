@@ -143,6 +143,10 @@ def test_cli_simulate_trace(tmp_path):
     doc = json.loads(out.read_text())
     ranks = {e["args"]["rank"] for e in doc["traceEvents"] if e["ph"] == "X"}
     assert ranks == {0, 1, 2, 3}
+    assert not [e for e in doc["traceEvents"] if e["ph"] in ("s", "f")]  # flows only when asked
+    assert main([*argv, "--trace-flows"]) == 0
+    flows = [e for e in json.loads(out.read_text())["traceEvents"] if e["ph"] in ("s", "f")]
+    assert flows and {e["ph"] for e in flows} == {"s", "f"}
 
 
 def test_cli_trace_to_an_unwritable_path_exits_2(tmp_path, capsys):

@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--policy", metavar="P", help="override routing.policy: topk, node_limited:M=2, ...")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace-event JSON of the step")
+    parser.add_argument("--trace-flows", action="store_true",
+                        help="with --trace: at every all-to-all an arrow from the rank that arrived last to each peer that waited for it")  # fmt: skip
     parser.add_argument(
         "--trace-ranks",
         metavar="R,R-R",
@@ -82,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     if args.trace:
         from sim.chrome_trace import write_chrome_trace
 
-        write_chrome_trace(args.trace, spans or [], scenario, result)
+        write_chrome_trace(args.trace, spans or [], scenario, result, flows=args.trace_flows)
     if args.plot:
         from sim.plots import step_plots
 
