@@ -1,0 +1,173 @@
+"""``moesim validate``: the real DeepSpeed job on 2 gloo CPU ranks against the simulator.
+
+Span-to-phase mapping and errors are checked against hand-computed values; the real runs check the
+result against an independent read of the Measurement and an independent ``simulate`` of the same
+scenario (calibration + replayed trace), not against themselves."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hw_validate.validate import compare, predicted_phases
+from sim.calibration import Calibration, GemmFit, LinkFit, save_calibration
+from sim.engine import Span
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU2 = ROOT / "scenarios" / "cpu-2rank.yaml"
+STEPS = "3"
+
+
+def _cli(*args: str, env_extra: dict[str, str] | None = None, timeout: float = 400) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env_extra or {})}
+    return subprocess.run([sys.executable, "-m", "sim", "validate", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def calib(tmp_path_factory) -> Path:
+    p = tmp_path_factory.mktemp("cal") / "cal.json"
+    save_calibration(p, Calibration(
+        hardware={"device": "cpu", "backend": "gloo", "world_size": 2},
+        gemm={"fp32": GemmFit(peak_TFLOPs=0.05, m_half=8.0, nk_half=8.0)},
+        hbm_bw_GBps=5.0, kernel_launch_us=10.0, attention_efficiency=0.3,
+        links={"intra": LinkFit(alpha_us=100.0, bw_GBps=1.0)},
+    ))  # fmt: skip
+    return p
+
+
+# ---- pure parts: closed forms -------------------------------------------------------------------
+def test_spans_map_to_the_jobs_phase_names():
+    sp = [
+        Span(0, "compute", "attention", 0.0, 1.0, {"phase": "fwd"}),
+        Span(0, "compute", "experts", 1.0, 2.0, {"phase": "fwd"}),
+        Span(0, "compute", "imbalance_wait", 2.0, 2.5, {}),
+        Span(0, "compute", "combine", 2.5, 3.0, {"phase": "fwd"}),
+        Span(0, "compute", "output", 3.0, 3.25, {"phase": "fwd"}),
+        Span(0, "compute", "output", 3.25, 3.5, {"phase": "bwd"}),
+        Span(0, "compute", "combine", 3.5, 4.0, {"phase": "bwd"}),
+        Span(0, "compute", "experts", 4.0, 6.0, {"phase": "bwd"}),
+        Span(0, "compute", "dispatch", 6.0, 6.5, {"phase": "bwd"}),
+        Span(0, "compute", "attention", 6.5, 8.5, {"phase": "bwd"}),
+        Span(0, "comm", "grad_sync", 7.0, 9.0, {}),
+        Span(0, "compute", "grad_sync_wait", 8.5, 9.0, {}),
+        Span(0, "compute", "optimizer", 9.0, 9.75, {}),
+        Span(0, "compute", "param_gather", 9.75, 10.0, {}),
+        Span(0, "comm", "param_gather", 9.75, 10.0, {}),
+        Span(1, "compute", "attention", 0.0, 1.5, {"phase": "fwd"}),
+        Span(1, "compute", "optimizer", 9.0, 10.0, {}),
+    ]
+    p = predicted_phases(sp, 2)
+    assert p["attention"] == 1.5  # the slowest rank's
+    assert p["combine"] == 1.0  # 0.5 wait at the barrier + 0.5 transfer
+    assert p["combine_bwd"] == 0.5 and p["dispatch_bwd"] == 0.5 and p["dispatch"] == 0.0
+    assert p["experts"] == 1.0 and p["experts_bwd"] == 2.0 and p["attention_bwd"] == 2.0
+    assert p["forward"] == 3.25 and p["backward"] == 9.0 - 1.5  # rank 1: forward ends at 1.5
+    assert p["optimizer"] == 1.0 and p["step"] == 10.0
+    assert p["grad_sync"] == 2.0 and p["optimizer_comm"] == 0.25
+
+
+def test_compare_relative_errors_and_worst_phase(monkeypatch):
+    from hw_validate import validate as v
+
+    names = ["step", "experts", "combine", "dispatch"]
+    monkeypatch.setattr(v, "ORDER", tuple(names))
+    band = dict.fromkeys(names, 0.0)
+    meas = {"step_time_s": 2.0, "phases_s": dict(zip(names, [2.0, 1.0, 0.5, 0.0], strict=True)), "p10_s": band, "p90_s": band}
+    pred = {"step_time_s": 1.5, "phases_s": dict(zip(names, [1.5, 0.9, 0.8, 0.0], strict=True))}
+    err, rows = compare(meas, pred)
+    assert err["step_time_rel"] == pytest.approx(-0.25)
+    assert err["phases_rel"]["experts"] == pytest.approx(-0.1) and err["phases_rel"]["combine"] == pytest.approx(0.6)
+    assert "dispatch" not in err["phases_rel"]  # 0 measured and 0 predicted: not a row
+    assert err["worst_phase"] == "combine" and err["worst_phase_abs_s"] == pytest.approx(0.3)
+    assert [r["phase"] for r in rows] == ["step", "experts", "combine"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["scenarios/nope.yaml"], "scenarios/nope.yaml"),
+        ([str(CPU2), "--calibration", "/nonexistent/cal.json"], "calibration file not found"),
+        ([str(CPU2), "--steps", "0"], "--steps"),
+        ([str(CPU2), "--set", "model.top_k=99"], "model"),
+    ],
+)
+def test_bad_input_exits_2_before_any_job(args, needle):
+    p = _cli(*args, timeout=60)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert needle in p.stderr and "Traceback" not in p.stderr
+
+
+# ---- real jobs ------------------------------------------------------------------------------------
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_real_validate_with_calibration_and_reuse(tmp_path, calib):
+    pytest.importorskip("deepspeed")
+    from hw_validate.measurement import load_measurement
+    from hw_validate.validate import predicted_phases as phases_of
+    from hw_validate.validate import simulation_scenario
+    from sim.simulate import simulate
+
+    keep, out = tmp_path / "keep", tmp_path / "v.json"
+    p = _cli(str(CPU2), "--calibration", str(calib), "--steps", STEPS, "--keep", str(keep), "--quiet", "--json", str(out))
+    assert p.returncode == 0, p.stderr
+    assert "quick calibration" not in p.stdout and not (keep / "calibration.json").exists()
+    r = json.loads(out.read_text())
+    assert {"measured", "predicted", "error"} <= set(r) and "step_time_rel" in r["error"]
+    meas = load_measurement(keep / "measurement.json")  # independent read of what the job measured
+    assert r["measured"]["step_time_s"] == meas["timing"]["summary"]["step"]["median"] > 0
+    assert r["measured"]["phases_s"]["experts"] == meas["timing"]["summary"]["experts"]["median"]
+    s = simulation_scenario(CPU2, [], calib, keep / "router_trace.json")  # independent simulation
+    sim = simulate(s, trace_ranks={0, 1})
+    assert r["predicted"]["step_time_s"] == pytest.approx(sim["step_time_s"], rel=1e-12)
+    assert r["predicted"]["phases_s"]["experts_bwd"] == pytest.approx(phases_of(sim["_spans"], 2)["experts_bwd"])
+    m, q = r["measured"]["step_time_s"], r["predicted"]["step_time_s"]
+    assert r["error"]["step_time_rel"] == pytest.approx((q - m) / m)
+    leaves = {"attention", "route", "experts", "dispatch", "combine", "attention_bwd", "experts_bwd", "grad_sync"}
+    assert leaves <= set(r["error"]["phases_rel"])
+    assert all(math.isfinite(r["error"]["phases_rel"][k]) for k in leaves)
+    for k in ("step", "experts", "dispatch"):
+        assert f"\n{k} " in p.stdout  # the human table
+    assert "step time error" in p.stdout and (keep / "validation.json").is_file()
+    # same scenario and steps in --keep: the measurement is reused, the prediction is the same
+    p2 = _cli(str(CPU2), "--calibration", str(calib), "--steps", STEPS, "--keep", str(keep), "--json", "-")
+    assert p2.returncode == 0, p2.stderr
+    assert "reusing the finished measurement" in p2.stderr
+    r2 = json.loads(p2.stdout)
+    assert r2["reused_measurement"] and r2["predicted"] == r["predicted"] and r2["measured"] == r["measured"]
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_without_calibration_it_calibrates_first(tmp_path):
+    pytest.importorskip("deepspeed")
+    keep = tmp_path / "keep"
+    p = _cli(str(CPU2), "--steps", "2", "--keep", str(keep), "--quiet", "--launcher", "torchrun")
+    assert p.returncode == 0, p.stderr
+    assert "running a quick calibration" in p.stdout
+    r = json.loads((keep / "validation.json").read_text())
+    assert r["calibration"]["computed"] and r["calibration"]["file"] == str(keep / "calibration.json")
+    cal = json.loads((keep / "calibration.json").read_text())
+    assert cal["format"] == "moesim.calibration" and cal["links"]["intra"]["bw_GBps"] > 0
+    assert math.isfinite(r["error"]["step_time_rel"])
+
+
+@pytest.mark.deepspeed
+@pytest.mark.slow
+def test_a_dying_rank_is_a_clear_error_and_nothing_is_written(tmp_path, calib):
+    pytest.importorskip("deepspeed")
+    keep, out = tmp_path / "keep", tmp_path / "v.json"
+    p = _cli(str(CPU2), "--calibration", str(calib), "--steps", STEPS, "--keep", str(keep), "--quiet",
+             "--launcher", "torchrun", "--json", str(out),
+             env_extra={"MOESIM_KILL_RANK": "1", "MOESIM_KILL_AT_STEP": "1"})  # fmt: skip
+    assert p.returncode == 1
+    first = p.stderr.splitlines()[0]
+    assert first.startswith("moesim: error: the real job failed:") and "rank 1 exited with status 1 at step 1" in first
+    assert "fault injection" in p.stderr and "Traceback" not in p.stderr  # the rank's last log lines
+    assert not out.exists() and not (keep / "validation.json").exists() and not (keep / "measurement.json").exists()
