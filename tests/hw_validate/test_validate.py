@@ -171,3 +171,22 @@ def test_a_dying_rank_is_a_clear_error_and_nothing_is_written(tmp_path, calib):
     assert first.startswith("moesim: error: the real job failed:") and "rank 1 exited with status 1 at step 1" in first
     assert "fault injection" in p.stderr and "Traceback" not in p.stderr  # the rank's last log lines
     assert not out.exists() and not (keep / "validation.json").exists() and not (keep / "measurement.json").exists()
+
+
+# ---- the GPU script (cannot run here: its dry run) ----------------------------------------------
+def test_gpu_check_dry_run_prints_the_session(tmp_path):
+    script = ROOT / "hw_validate" / "gpu_check.sh"
+    env = {**os.environ, "PYTHON": sys.executable}
+    p = subprocess.run(["bash", str(script), str(tmp_path / "out"), "--dry-run", "--ngpus", "8", "--wheels", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    status = (tmp_path / "out" / "status.txt").read_text()
+    gpu = sorted((ROOT / "scenarios" / "accuracy" / "gpu").glob("*.yaml"))
+    assert len(gpu) >= 2
+    assert "--no-index --find-links" in status and "calibrate --backend nccl --nproc 8" in status
+    for s in gpu:  # every GPU scenario validated on 8 GPUs with EP8, against the one calibration
+        line = next(x for x in status.splitlines() if "validate" in x and s.name in x)
+        assert "parallelism.ep=8" in line and "--nproc 8" in line and "calibration.json" in line
+    assert "bench_accuracy.py --collect" in status
+    bad = subprocess.run(["bash", str(script), str(tmp_path / "o2"), "--ngpus", "x"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ngpus must be a number" in bad.stderr

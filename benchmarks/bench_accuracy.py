@@ -1,0 +1,184 @@
+"""The accuracy record: ``moesim validate`` over the accuracy scenarios, calibrated once.
+
+Writes ``benchmarks/accuracy/<name>.json`` (every validation result, the calibration report, the
+machine and the commands) and ``<name>.md`` (per scenario: measured and predicted step, error,
+worst phase; then every phase's error per scenario). Run it alone on the machine, under the
+measurement lock other jobs use::
+
+    flock /tmp/moesim-measure.lock python benchmarks/bench_accuracy.py            # ~4 min on 2 cores
+    flock /tmp/moesim-measure.lock python benchmarks/bench_accuracy.py --calibration C.json
+
+Without ``--calibration`` it runs one full ``moesim calibrate`` over the shapes of all the scenarios
+first (saved beside the record). ``--collect DIR`` only renders the record from the
+``validation.json`` files under DIR (what ``hw_validate/gpu_check.sh`` leaves on a GPU machine).
+Targets (issue 8): median |step-time error| <= 10% and max <= 20% on CPU ranks; <= 5% on GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from sim.ioutil import atomic_write_text, dumps_json  # noqa: E402
+
+SCENARIOS = sorted((ROOT / "scenarios" / "accuracy").glob("*.yaml"))
+TARGETS = {"cpu": (0.10, 0.20), "gpu": (0.05, 0.05)}  # (median, max) |step-time error|
+PHASES = ("forward", "backward", "optimizer", "attention", "route", "permute", "dispatch", "experts", "combine",
+          "unpermute", "output", "attention_bwd", "experts_bwd", "combine_bwd", "dispatch_bwd", "grad_sync",
+          "optimizer_comm", "forward_comm")  # fmt: skip
+
+
+def machine() -> str:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout.splitlines():
+            if line.startswith("Model name:"):
+                model = line.split(":", 1)[1].strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    import os
+
+    return f"{os.cpu_count()}-core {model} VM ({platform.system()} {platform.release()}), Python {platform.python_version()}"
+
+
+def summary_row(r: dict) -> dict:
+    e = r["error"]
+    worst = e["worst_phase"]
+    return {
+        "scenario": r["scenario"],
+        "measured_step_s": r["measured"]["step_time_s"],
+        "measured_p10_s": r["measured"]["p10_s"]["step"],
+        "measured_p90_s": r["measured"]["p90_s"]["step"],
+        "predicted_step_s": r["predicted"]["step_time_s"],
+        "step_time_rel": e["step_time_rel"],
+        "worst_phase": worst,
+        "worst_phase_rel": e["phases_rel"].get(worst) if worst else None,
+        "worst_phase_abs_s": e["worst_phase_abs_s"],
+    }
+
+
+def render(name: str, results: list[dict], meta: dict) -> tuple[dict, str]:
+    rows = [summary_row(r) for r in results]
+    errs = [abs(r["step_time_rel"]) for r in rows if r["step_time_rel"] is not None]
+    kind = meta.get("kind", "cpu")
+    tmed, tmax = TARGETS[kind]
+    med = statistics.median(errs) if errs else None
+    mx = max(errs) if errs else None
+    record = {"name": name, **meta, "summary": {"median_abs_step_error": med, "max_abs_step_error": mx,
+              "target_median": tmed, "target_max": tmax,
+              "met": bool(errs) and med <= tmed and mx <= tmax}, "rows": rows, "results": results}  # fmt: skip
+    md = [f"# Accuracy record: {name}", "", f"Machine: {meta.get('machine')}", ""]
+    md += [f"Calibration: `{meta.get('calibration')}` ({meta.get('calibration_note', '')})", ""]
+    if meta.get("calibration_report"):
+        md += ["```", meta["calibration_report"], "```", ""]
+    md += ["Commands:", "", "```", *meta.get("commands", []), "```", ""]
+    md += ["| scenario | measured step ms (p10..p90) | predicted ms | error | worst phase (error, ms off) |",
+           "|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        wr = r["worst_phase_rel"]
+        md.append(
+            f"| {r['scenario']} | {1e3 * r['measured_step_s']:.1f} ({1e3 * r['measured_p10_s']:.1f}..{1e3 * r['measured_p90_s']:.1f}) "
+            f"| {1e3 * r['predicted_step_s']:.1f} | {100 * r['step_time_rel']:+.1f}% | {r['worst_phase']} "
+            f"({'n/a' if wr is None else f'{100 * wr:+.0f}%'}, {1e3 * (r['worst_phase_abs_s'] or 0):.1f}) |"
+        )
+    if errs:
+        md += ["", f"Median |step-time error| {100 * med:.1f}% (target {100 * tmed:.0f}%), max {100 * mx:.1f}% "
+               f"(target {100 * tmax:.0f}%): {'met' if record['summary']['met'] else 'NOT met'}."]  # fmt: skip
+    present = [p for p in PHASES if any(p in r["error"]["phases_rel"] for r in results)]
+    md += ["", "Per-phase error (predicted - measured) / measured; measured ms in brackets:", "",
+           "| phase | " + " | ".join(r["scenario"] for r in results) + " |",
+           "|---|" + "---|" * len(results)]  # fmt: skip
+    for p in present:
+        cells = []
+        for r in results:
+            e = r["error"]["phases_rel"].get(p, "absent")
+            m = r["measured"]["phases_s"].get(p, 0.0)
+            cells.append("-" if e == "absent" else ("n/a" if e is None else f"{100 * e:+.0f}% ({1e3 * m:.1f})"))
+        md.append(f"| {p} | " + " | ".join(cells) + " |")
+    if meta.get("notes"):
+        md += ["", *meta["notes"]]
+    return record, "\n".join(md) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--calibration", help="calibration JSON (default: calibrate once now over all the scenarios)")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--name", default="cpu-2rank-gloo", help="record name (file stem under --out)")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "accuracy"))
+    ap.add_argument("--runs", default=str(ROOT / "runs" / "accuracy"), help="--keep folders of the jobs")
+    ap.add_argument("--only", action="append", default=[], help="scenario stem (repeatable)")
+    ap.add_argument("--collect", metavar="DIR", help="render from DIR/**/validation.json instead of running")
+    ap.add_argument("--kind", choices=("cpu", "gpu"), default="cpu", help="which targets apply")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.collect:
+        results = [json.loads(p.read_text()) for p in sorted(Path(args.collect).rglob("validation.json"))]
+        if not results:
+            print(f"no validation.json under {args.collect}", file=sys.stderr)
+            return 2
+        env = results[0]["measured"]["environment"]
+        cal = results[0]["calibration"]["file"]
+        meta = {"kind": args.kind, "machine": f"{env.get('world_size')} x {(env.get('devices') or ['?'])[0]} "
+                f"({env.get('backend')} {env.get('backend_version')}, torch {env.get('torch')}, host {env.get('hostname')})",
+                "calibration": cal, "calibration_note": "from the collected run",
+                "commands": sorted({" ".join(r["job"]["command"] or []) or "(reused)" for r in results})}  # fmt: skip
+        record, md = render(args.name, results, meta)
+        atomic_write_text(out / f"{args.name}.json", dumps_json(record))
+        atomic_write_text(out / f"{args.name}.md", md)
+        print(md)
+        return 0
+    from hw_validate.calibrate import calibrate, format_report
+    from hw_validate.validate import format_table, validate
+    from sim.calibration import load_calibration
+
+    scens = [p for p in SCENARIOS if not args.only or p.stem in args.only]
+    commands = []
+    t0 = time.time()
+    if args.calibration:
+        cal_path = Path(args.calibration)
+        note = "given"
+    else:
+        cal_path = out / f"{args.name}.calibration.json"
+        rel = [str(p.relative_to(ROOT)) for p in scens]
+        print(f"calibrating once over {len(scens)} scenarios -> {cal_path}", flush=True)
+        calibrate(cal_path, nproc=2, backend="gloo", scenarios=rel, quick=False, echo=False)
+        commands.append(f"python -c \"from hw_validate.calibrate import calibrate; calibrate('{cal_path.relative_to(ROOT)}', "
+                        f"nproc=2, scenarios={rel})\"  # = moesim calibrate over the scenarios' shapes")  # fmt: skip
+        note = f"one full calibration over all {len(scens)} scenarios, made right before the jobs"
+    report = format_report(load_calibration(cal_path))
+    results = []
+    for p in scens:
+        rel = p.relative_to(ROOT)
+        keep = Path(args.runs) / p.stem
+        cmd = f"moesim validate {rel} --calibration {cal_path.relative_to(ROOT) if cal_path.is_relative_to(ROOT) else cal_path} --steps {args.steps} --keep {keep.relative_to(ROOT) if keep.is_relative_to(ROOT) else keep}"
+        commands.append(cmd)
+        print(f"== {cmd}", flush=True)
+        r = validate(rel, cal_path, args.steps, keep=keep, echo=False, log=lambda m: print(m, flush=True))
+        print(format_table(r), flush=True)
+        results.append(r)
+    meta = {"kind": args.kind, "machine": machine(), "calibration": str(cal_path.relative_to(ROOT) if cal_path.is_relative_to(ROOT) else cal_path),
+            "calibration_note": note, "calibration_report": report, "commands": commands,
+            "wall_s": time.time() - t0, "steps": args.steps,
+            "run": "flock /tmp/moesim-measure.lock python benchmarks/bench_accuracy.py" + (f" --calibration {args.calibration}" if args.calibration else "")}  # fmt: skip
+    notes_file = out / f"{args.name}.notes.md"
+    if notes_file.is_file():
+        meta["notes"] = [notes_file.read_text()]
+    record, md = render(args.name, results, meta)
+    atomic_write_text(out / f"{args.name}.json", dumps_json(record))
+    atomic_write_text(out / f"{args.name}.md", md)
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
