@@ -119,8 +119,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", action="append", default=[], help="scenario stem (repeatable)")
     ap.add_argument("--collect", metavar="DIR", help="render from DIR/**/validation.json instead of running")
     ap.add_argument("--kind", choices=("cpu", "gpu"), default="cpu", help="which targets apply")
+    ap.add_argument("--rerender", action="store_true", help="render <name>.md again from <name>.json (and the notes)")
     args = ap.parse_args(argv)
     out = Path(args.out)
+    notes_file = out / f"{args.name}.notes.md"
+    if args.rerender:
+        rec = json.loads((out / f"{args.name}.json").read_text())
+        meta = {k: v for k, v in rec.items() if k not in ("name", "summary", "rows", "results", "notes")}
+        if notes_file.is_file():
+            meta["notes"] = [notes_file.read_text()]
+        record, md = render(args.name, rec["results"], meta)
+        atomic_write_text(out / f"{args.name}.json", dumps_json(record))
+        atomic_write_text(out / f"{args.name}.md", md)
+        print(md)
+        return 0
     if args.collect:
         results = [json.loads(p.read_text()) for p in sorted(Path(args.collect).rglob("validation.json"))]
         if not results:
@@ -170,7 +182,6 @@ def main(argv: list[str] | None = None) -> int:
             "calibration_note": note, "calibration_report": report, "commands": commands,
             "wall_s": time.time() - t0, "steps": args.steps,
             "run": "flock /tmp/moesim-measure.lock python benchmarks/bench_accuracy.py" + (f" --calibration {args.calibration}" if args.calibration else "")}  # fmt: skip
-    notes_file = out / f"{args.name}.notes.md"
     if notes_file.is_file():
         meta["notes"] = [notes_file.read_text()]
     record, md = render(args.name, results, meta)
