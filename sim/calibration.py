@@ -14,14 +14,25 @@ replaces the topology's defaults where present::
       "hbm_bw_GBps": 2900.0,          # achieved device-memory bandwidth (elementwise, optimizer)
       "kernel_launch_us": 6.0,        # fixed cost per kernel (launch + framework dispatch)
       "links": {                      # alpha-beta fits per link class: time = alpha + bytes / bw
-        "intra": {"alpha_us": 12.0, "bw_GBps": 310.0, "fit_rel_err": 0.04},
+        "intra": {"alpha_us": 12.0, "bw_GBps": 310.0, "fit_rel_err": 0.04, "fit_max_rel_err": 0.09, "points": 24},
         "inter": {"alpha_us": 20.0, "bw_GBps": 46.0},
         "host":  {"alpha_us": 10.0, "bw_GBps": 24.0}
       },
       "cpu_adam_Gparams_per_s": 1.1,  # DeepSpeedCPUAdam update rate per node
       "optimizer_bytes_per_param": 32.0,  # device bytes moved per parameter by the GPU optimizer step
+      "optimizer_step_overhead_us": 900.0,  # fixed cost of one optimizer step (framework bookkeeping)
       "sweeps": {...}                 # raw measurements (kept for the record; not read by the simulator)
     }
+
+Link classes replace the topology's link figures (:func:`apply_link_calibration`, called by
+``sim.simulate``): ``intra`` the ``intra`` links (NVLink/NVSwitch, PCIe switch, shared memory),
+``inter`` the scale-out links (``nic_tx``/``nic_rx`` take ``bw_GBps``; leaf uplinks keep their
+oversubscription and scale by the same factor), ``host`` the ``pcie_host`` links. ``alpha_us`` is
+the latency of *one link* of the class, as the simulator adds it per hop (a transfer between two
+GPUs of a node crosses two ``intra`` links: GPU -> switch -> GPU); ``moesim calibrate`` fits it and
+``bw_GBps`` through the simulator's own collective model, so the fitted pair reproduces the
+measured sweep (``fit_rel_err``: median, ``fit_max_rel_err``: largest relative error over the
+``points`` sizes of the sweep).
 """
 
 from __future__ import annotations
@@ -48,15 +59,19 @@ class GemmFit(StrictModel):
     m_half: float = Field(ge=0, description="M at which throughput is half of peak (per unit of N, K factor)")
     nk_half: float = Field(ge=0, description="half-saturation size of N and K")
     fit_rel_err: float | None = Field(default=None, ge=0, description="median relative error of the fit")
+    fit_max_rel_err: float | None = Field(default=None, ge=0, description="largest relative error of the fit")
+    points: int | None = Field(default=None, ge=0, description="measured shapes the fit used")
 
 
 class LinkFit(StrictModel):
     """alpha-beta model of a link class: time = alpha + bytes / bw."""
 
     model_config = _OPEN
-    alpha_us: float = Field(ge=0)
-    bw_GBps: float = Field(gt=0)
-    fit_rel_err: float | None = Field(default=None, ge=0)
+    alpha_us: float = Field(ge=0, description="latency of one link of the class (added per hop)")
+    bw_GBps: float = Field(gt=0, description="bandwidth of one link, per direction (GB/s = 1e9 B/s)")
+    fit_rel_err: float | None = Field(default=None, ge=0, description="median relative error of the fit")
+    fit_max_rel_err: float | None = Field(default=None, ge=0, description="largest relative error of the fit")
+    points: int | None = Field(default=None, ge=0, description="measured sizes the fit used")
 
 
 class Calibration(StrictModel):
@@ -73,6 +88,7 @@ class Calibration(StrictModel):
     links: dict[str, LinkFit] = {}
     cpu_adam_Gparams_per_s: float | None = Field(default=None, gt=0)
     optimizer_bytes_per_param: float | None = Field(default=None, gt=0)
+    optimizer_step_overhead_us: float | None = Field(default=None, ge=0)
     sweeps: dict[str, Any] = {}
 
 
@@ -110,3 +126,49 @@ def load_calibration(path: str | Path) -> Calibration:
 
 def save_calibration(path: str | Path, calib: Calibration) -> None:
     atomic_write_text(path, dumps_json(calib.model_dump(mode="json")))
+
+
+#: calibration link class -> cluster link kinds it sets (``sim.cluster.LINK_KINDS``)
+LINK_CLASS_KINDS: dict[str, tuple[str, ...]] = {
+    "intra": ("intra",),
+    "inter": ("nic_tx", "nic_rx", "leaf_up", "leaf_down"),
+    "host": ("pcie_host",),
+}
+
+
+def apply_link_calibration(cluster, calib: Calibration | None):
+    """A copy of ``cluster`` whose links take the calibrated alpha (per link) and bandwidth of their
+    class; classes the calibration lacks keep the topology's figures. Leaf up/down links (whose
+    bandwidth is the attached NICs' sum / oversubscription) scale by the NIC's factor. Apply it to
+    the healthy cluster, before faults (``sim.faults.apply_faults`` degrades what this sets)."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from sim.cluster import LINK_KINDS
+
+    if calib is None or not calib.links:
+        return cluster
+    bw = cluster.link_bw_Bps.copy()
+    lat = cluster.link_latency_s.copy()
+    kind = cluster.link_kind_code
+    for cls, fit in calib.links.items():
+        kinds = LINK_CLASS_KINDS[cls]
+        target = fit.bw_GBps * 1e9
+        ref_code = LINK_KINDS.index(kinds[0])
+        ref = cluster.link_bw_Bps[kind == ref_code]
+        scale = target / float(ref.mean()) if len(ref) else 1.0
+        for k in kinds:
+            sel = kind == LINK_KINDS.index(k)
+            if not sel.any():
+                continue
+            bw[sel] = cluster.link_bw_Bps[sel] * scale if k in ("leaf_up", "leaf_down") else target
+            lat[sel] = fit.alpha_us * 1e-6
+    graph = cluster.graph.copy()
+    for i in np.flatnonzero((bw != cluster.link_bw_Bps) | (lat != cluster.link_latency_s)):
+        u, v = cluster.link_names[i]
+        graph.edges[u, v]["bw_GBps"] = float(bw[i]) / 1e9
+        graph.edges[u, v]["latency_us"] = float(lat[i]) * 1e6
+    return replace(
+        cluster, graph=graph, link_bw_Bps=bw, link_latency_s=lat, _path_cache={}, _reroute=None, healthy=None
+    )

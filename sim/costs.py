@@ -84,6 +84,15 @@ class CostModel:
             return cal.optimizer_bytes_per_param
         return DEFAULT_OPTIMIZER_BYTES_PER_PARAM
 
+    @property
+    def optimizer_overhead_s(self) -> float:
+        """Fixed cost of one optimizer step (framework bookkeeping beyond the update's bytes):
+        calibrated if measured, else one kernel launch."""
+        cal = self.calibration
+        if cal is not None and cal.optimizer_step_overhead_us is not None:
+            return cal.optimizer_step_overhead_us * 1e-6
+        return self.launch_s
+
     # ---- kernels ----------------------------------------------------------------------------
     def gemm_flops_per_s(self, m: float, n: float, k: float, dtype: str) -> float:
         """Achieved FLOP/s of an (m x k) @ (k x n) GEMM."""
@@ -147,10 +156,11 @@ class CostModel:
         return nbytes / self.hbm_Bps + kernels * self.launch_s
 
     def optimizer_time(self, params: float) -> float:
-        """Fused Adam step on the device over ``params`` parameters (memory bound)."""
+        """Fused Adam step on the device over ``params`` parameters (memory bound) plus the step's
+        fixed overhead (:attr:`optimizer_overhead_s`)."""
         if params <= 0:
             return 0.0
-        return params * self.optimizer_bytes_per_param / self.hbm_Bps + self.launch_s
+        return params * self.optimizer_bytes_per_param / self.hbm_Bps + self.optimizer_overhead_s
 
 
 def cpu_adam_time(params: float, ranks_per_node: int, adam_Gparams_per_s: float) -> float:

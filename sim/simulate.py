@@ -44,10 +44,13 @@ def compute_factors(s: Scenario) -> np.ndarray:
 
 
 def _cluster(s: Scenario):
-    """The scenario's cluster with its faulty links (degraded, or failed and routed around)."""
+    """The scenario's cluster with its calibrated link figures (``calibration: links``) and then its
+    faulty links (degraded, or failed and routed around)."""
+    from sim.calibration import apply_link_calibration
     from sim.faults import apply_faults
 
-    return apply_faults(cluster_for(s), s)
+    cal = load_calibration(s.resolve_path(s.calibration)) if s.calibration else None
+    return apply_faults(apply_link_calibration(cluster_for(s, faults=False), cal), s)
 
 
 def has_faults(s: Scenario) -> bool:

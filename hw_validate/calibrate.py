@@ -1,0 +1,430 @@
+"""``moesim calibrate``: run the microbenchmarks as a real multi-rank job, fit the simulator's
+models to them and write a calibration JSON (:mod:`sim.calibration`, ``moesim.calibration`` v1).
+
+What is fitted, each through the simulator's own formula so that the fitted numbers reproduce the
+measurements when the simulator uses them:
+
+- ``links.intra`` (and ``inter`` when a job spans nodes; one host has only ``intra``): alpha (per
+  link) and bandwidth such that the simulator's all-to-all and ring all-reduce over the cluster of
+  the benchmarked ranks give the measured times. The simulated time is linear in the link latency
+  and in 1/bandwidth, so the fit is a non-negative linear least squares on relative error; the
+  reported errors come from re-simulating every size with the fitted pair.
+- ``gemm.<dtype>``: ``peak_TFLOPs``, ``m_half``, ``nk_half`` of :class:`sim.costs.CostModel`'s
+  roofline ``max(2mnk / (peak h(m) h(n) h(k)), bytes / hbm) + launch`` (``h(x) = x / (x + c)``),
+  least squares on log time (scipy), over the GEMM shapes the scenarios' layers produce (forward,
+  input- and weight-gradient shapes, recorded from the simulator's schedule) plus a small grid.
+- ``hbm_bw_GBps`` (elementwise add over the scenarios' activation sizes), ``kernel_launch_us``
+  (a tiny op recorded by autograd), ``attention_efficiency`` (scaled_dot_product_attention forward
+  and backward against the fitted GEMM peak), ``optimizer_bytes_per_param`` and
+  ``optimizer_step_overhead_us`` (torch Adam on flat fp32 partitions of the scenarios' sizes).
+
+Raw measurements (the nccl-tests-style table with algbw/busbw among them) are kept under
+``sweeps``. The job is supervised: a rank that dies or a run past ``timeout_s`` is a
+:class:`hw_validate.launch.JobError` with the log's last lines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from hw_validate.calibrate_fit import STATS, CalibrationRun, bench_cluster, fit_all
+from hw_validate.diagnose import cause_of
+from hw_validate.launch import JobError, free_port
+from sim.calibration import Calibration, save_calibration
+from sim.errors import InputError
+
+HERE = Path(__file__).resolve().parent
+MICROBENCH = HERE / "microbench.py"
+LAUNCHERS = ("torchrun", "deepspeed")
+BACKENDS = ("gloo", "nccl")
+COMM_SIZES = [4096 * 4**i for i in range(7)]  # 4 KiB .. 16 MiB
+QUICK_COMM_SIZES = [4096 * 16**i for i in range(4)]  # 4 KiB, 64 KiB, 1 MiB, 16 MiB
+
+
+# ---- shapes the scenarios produce -----------------------------------------------------------------
+def scenario_shapes(paths: list[str | Path], accelerator: str = "cpu") -> dict[str, Any]:
+    """GEMM shapes (m, n, k), attention shapes (batch, heads, seq, head_dim), activation sizes,
+    optimizer partition sizes and dtypes of the scenarios, read off the simulator's own schedule
+    (a cost model that records what it is asked to price)."""
+    from hw_validate.dsconfig import effective_dtype
+    from sim.costs import CostModel
+    from sim.routing import route_scenario
+    from sim.scenario import load_scenario
+    from sim.schedule import build_schedule
+
+    gemms: set[tuple[int, int, int]] = set()
+    attention: set[tuple[int, int, int, int]] = set()
+    act: set[int] = set()
+    opt: set[int] = set()
+    dtypes: set[str] = set()
+
+    class Recording(CostModel):
+        def gemm_times(self, m, n, k, dtype):
+            for mm in np.unique(np.asarray(m, dtype=np.float64)):
+                if mm > 0 and n > 0 and k > 0:
+                    gemms.add((int(mm), int(n), int(k)))
+            return super().gemm_times(m, n, k, dtype)
+
+        def gemm_train_times(self, m, n, k, dtype):
+            for mm in np.unique(np.asarray(m, dtype=np.float64)):
+                if mm > 0:
+                    gemms.add((int(mm), int(k), int(n)))  # input gradient [m, n] @ [n, k]
+                    gemms.add((int(k), int(n), int(mm)))  # weight gradient [k, m] @ [m, n]
+            return super().gemm_train_times(m, n, k, dtype)
+
+    for p in paths:
+        s = load_scenario(p)
+        dtype, _ = effective_dtype(s.training.dtype, accelerator)
+        dtypes.add(dtype)
+        m = s.model
+        plan = route_scenario(s) if m.num_moe_layers else None
+        sched = build_schedule(s, plan, Recording(s.topology.gpu, None), np.ones(s.world_size))
+        if m.attention != "none":
+            attention.add((s.training.micro_batch_size, m.num_attention_heads, s.training.seq_len, m.head_size))
+        t = s.tokens_per_micro_batch
+        act.update({t * m.hidden_size, t * (m.moe_ffn_hidden_size or m.hidden_size)})
+        opt.add(int(sched.stats["optimizer_params_per_rank"]))
+    return {
+        "gemm": sorted(gemms),
+        "attention": sorted(attention),
+        "activation_elements": sorted(act),
+        "optimizer_params": sorted(opt),
+        "dtypes": sorted(dtypes),
+    }
+
+
+def _thin(shapes: list[tuple[int, int, int]], limit: int) -> list[tuple[int, int, int]]:
+    """At most ``limit`` shapes, spread over the range of FLOPs (keeps the smallest and largest)."""
+    if len(shapes) <= limit:
+        return shapes
+    order = sorted(shapes, key=lambda s: (s[0] * s[1] * s[2], s))
+    idx = np.unique(np.round(np.linspace(0, len(order) - 1, limit)).astype(int))
+    return [order[i] for i in idx]
+
+
+def build_spec(
+    shapes: dict[str, Any] | None, backend: str, quick: bool = False, max_gemms: int | None = None
+) -> dict[str, Any]:
+    """The microbenchmark job's spec (see :mod:`hw_validate.microbench`)."""
+    shapes = shapes or {}
+    gpu = backend == "nccl"
+    grid_m = [16, 64, 256, 1024, 4096] if not gpu else [64, 256, 1024, 4096, 16384]
+    grid_nk = [128, 512] if not gpu else [1024, 4096, 8192]
+    grid = [(m, n, k) for m in grid_m for n in grid_nk for k in grid_nk]
+    limit = max_gemms or (24 if quick else 64)
+    gemm = sorted(set(_thin(list(shapes.get("gemm", [])), limit - (6 if quick else len(grid)))) | set(
+        _thin(grid, 6) if quick else grid
+    ))
+    act = list(shapes.get("activation_elements", [])) or [32768, 131072]
+    # the scenarios' activation sizes (a CPU rank's stay in cache: so does this bench) and a margin
+    mem = sorted({int(a) for a in act} | {max(1024, min(act) // 4), max(act) * 4})
+    opt = shapes.get("optimizer_params") or [400_000]
+    opt_sizes = sorted({max(1000, int(p * f)) for p in opt for f in ((0.5, 2.0) if quick else (0.25, 1.0, 4.0))})
+    return {
+        "backend": backend,
+        "dtypes": list(shapes.get("dtypes") or (["bf16"] if gpu else ["fp32"])),
+        "comm": {"kinds": ["all_to_all", "all_reduce"], "sizes": QUICK_COMM_SIZES if quick else COMM_SIZES,
+                 # many short repetitions: their lower quartile sees through bursts of interference
+                 "reps": 9 if quick else 21, "target_s": 0.002 if quick else 0.005},
+        "gemm": [list(s) for s in gemm],
+        "attention": [list(a) for a in shapes.get("attention", [])] or [[4, 4, 64, 32]],
+        "memory_elements": mem,
+        "launch_ops": 500 if quick else 2000,
+        "optimizer_params": opt_sizes,
+        "reps": 3 if quick else 7,
+        "target_s": 0.004 if quick and not gpu else (0.002 if gpu else 0.02),
+    }
+
+
+# ---- running the job ------------------------------------------------------------------------------
+def _launcher_head(launcher: str, nproc: int, port: int) -> list[str]:
+    if launcher == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
+                "--master_addr", "127.0.0.1", "--master_port", str(port)]  # fmt: skip
+    if launcher == "deepspeed":
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(port)]
+    raise InputError(f"unknown launcher '{launcher}'; use one of {', '.join(LAUNCHERS)}", field="--launcher")
+
+
+def _pump(stream, log_path: Path, echo: bool, tail: deque) -> None:
+    """Copy the job's output to its log (and to our stderr), in raw chunks so tqdm's bar redraws."""
+    with stream, open(log_path, "wb") as log:
+        while True:
+            chunk = os.read(stream.fileno(), 65536)
+            if not chunk:
+                return
+            log.write(chunk)
+            log.flush()
+            tail.append(chunk)
+            if echo:
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    sys.stderr.buffer.write(chunk)
+                    sys.stderr.flush()
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=5)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_microbench(
+    spec: dict[str, Any],
+    nproc: int,
+    launcher: str = "torchrun",
+    timeout_s: float = 900.0,
+    echo: bool = True,
+    work_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Launch :mod:`hw_validate.microbench` on ``nproc`` local ranks and return rank 0's result."""
+    if nproc < 1:
+        raise InputError(f"must be >= 1, got {nproc}", field="--nproc")
+    work = Path(tempfile.mkdtemp(prefix="moesim-calibrate-", dir=work_dir))
+    spec_path, out_path, log_path = work / "spec.json", work / "result.json", work / "job.log"
+    spec_path.write_text(json.dumps(spec))
+    cmd = [*_launcher_head(launcher, nproc, free_port()), str(MICROBENCH), "--spec", str(spec_path), "--out", str(out_path)]
+    env = dict(os.environ)
+    root = str(HERE.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    if spec.get("backend") == "gloo":
+        env.setdefault("DS_ACCELERATOR", "cpu")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    tail: deque = deque(maxlen=64)
+    pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, echo, tail), daemon=True)
+    pump.start()
+    try:
+        rc = proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _stop(proc)
+        pump.join(timeout=5)
+        raise JobError(
+            f"calibration job timed out after {timeout_s:g} s ({nproc} ranks, {launcher}; "
+            f"{_stage(tail)}), stopped; log: {log_path}\n" + _last_lines(tail),
+            run_dir=work,
+        ) from None
+    except BaseException:
+        _stop(proc)
+        raise
+    pump.join(timeout=10)
+    if rc != 0 or not out_path.is_file():
+        why = "exited 0 without writing its result" if rc == 0 else (_cause(tail) or f"exit status {rc}")
+        raise JobError(
+            f"calibration job failed ({nproc} ranks, {launcher}, exit status {rc}): {why}; log: {log_path}\n"
+            + _last_lines(tail),
+            run_dir=work,
+            returncode=rc,
+        )
+    result = json.loads(out_path.read_text())
+    result["command"] = cmd
+    shutil.rmtree(work, ignore_errors=True)
+    return result
+
+
+def _lines(tail: deque) -> list[str]:
+    text = b"".join(tail).decode("utf-8", "replace").replace("\r", "\n")
+    return [ln for ln in text.splitlines() if ln.strip() and "microbenchmarks:" not in ln]
+
+
+_RANK_PREFIX = re.compile(r"^\[(?:rank|default)(\d+)\]:\s?")
+
+
+def _cause(tail: deque) -> str | None:
+    """The last line stating a cause (an exception's ``SomeError: message``), with the rank that
+    printed it when the launcher prefixed its lines (``[rank1]: ...``)."""
+    for line in reversed(_lines(tail)):
+        m = _RANK_PREFIX.match(line)
+        text = line[m.end():] if m else line
+        why = cause_of([text])
+        if why and "ChildFailedError" not in why:
+            return f"rank {m.group(1)}: {why}" if m else why
+    return None
+
+
+def _stage(tail: deque) -> str:
+    """Where the job was: the last state of its progress bar, or that it never started measuring."""
+    text = b"".join(tail).decode("utf-8", "replace").replace("\r", "\n")
+    bars = [ln.strip() for ln in text.splitlines() if "microbenchmarks:" in ln]
+    return f"last progress: {bars[-1]}" if bars else "no rank started measuring (hung in start-up or rendezvous)"
+
+
+def _last_lines(tail: deque, n: int = 15) -> str:
+    lines = _lines(tail)[-n:]
+    return "  last lines of the job:\n" + "\n".join(f"    {ln}" for ln in lines)
+
+
+def check_writable(out: str | Path, field: str = "--out") -> None:
+    """Bad input unless ``out`` can be created: not a folder, and its nearest existing parent a
+    writable folder (checked before the job runs, so a long measurement is not thrown away)."""
+    p = Path(out)
+    if p.is_dir():
+        raise InputError(f"'{out}' is a folder; give a file path such as calib.json", field=field)
+    parent = p.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"cannot write '{out}': '{parent}' is not a folder", field=field)
+    try:  # the permission bits do not tell (root, read-only mounts, /proc): try it
+        fd, probe = tempfile.mkstemp(prefix=".moesim-probe-", dir=parent)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise InputError(f"cannot write '{out}': {exc.strerror or exc} in '{parent}'", field=field) from None
+
+
+def calibrate(
+    out: str | Path | None,
+    nproc: int = 2,
+    backend: str = "gloo",
+    launcher: str = "torchrun",
+    topology=None,
+    scenarios: list[str | Path] = (),
+    quick: bool = False,
+    timeout_s: float = 900.0,
+    echo: bool = True,
+    stat: str = "p25",
+    progress=None,
+) -> CalibrationRun:
+    """Measure, fit, write ``out`` (when given, atomically); see the module docstring.
+
+    ``scenarios``: scenario files whose layers' GEMM, attention, activation and optimizer sizes are
+    measured (besides a small grid); their first one's topology is the cluster the link fit runs on
+    unless ``topology`` (a Topology, shipped name or YAML path) is given (default ``cpu-host`` for
+    gloo, ``hgx-h200`` for nccl). ``stat``: which statistic of the repetitions the fits use
+    (:data:`hw_validate.calibrate_fit.STATS`). ``progress``: callable taking one line of text
+    (stages of the run); the job's own progress bar goes to stderr when ``echo``. Bad input is an
+    :class:`~sim.errors.InputError` naming the CLI flag; a failed or hung job a :class:`JobError`."""
+    if backend not in BACKENDS:
+        raise InputError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}", field="--backend")
+    if launcher not in LAUNCHERS:
+        raise InputError(f"unknown launcher '{launcher}'; use one of {', '.join(LAUNCHERS)}", field="--launcher")
+    if not isinstance(nproc, int) or nproc < 1:
+        raise InputError(f"must be a whole number >= 1, got {nproc}", field="--nproc")
+    if stat not in STATS:
+        raise InputError(f"unknown statistic '{stat}'; use one of {', '.join(STATS)}", field="--stat")
+    if not timeout_s or timeout_s <= 0 or not math.isfinite(timeout_s):
+        raise InputError(f"must be a positive number of seconds, got {timeout_s}", field="--timeout")
+    if out is not None:
+        check_writable(out)
+    say = progress or (lambda line: None)
+    for p in scenarios:
+        if not Path(p).is_file():
+            raise InputError(f"scenario file '{p}' does not exist", file=str(p), field="--scenario")
+    accelerator = "cuda" if backend == "nccl" else "cpu"
+    shapes = scenario_shapes(list(scenarios), accelerator) if scenarios else None
+    if topology is None:
+        if scenarios:
+            from sim.scenario import load_scenario
+
+            topology = load_scenario(scenarios[0]).topology
+        else:
+            topology = "cpu-host" if backend == "gloo" else "hgx-h200"
+    try:
+        bench_cluster(topology, nproc)  # a bad topology is bad input, before the job runs
+    except InputError as exc:
+        if exc.field in (None, "cluster.topology", "cluster.nodes", "cluster.gpus_per_node"):
+            raise InputError(exc.message, file=exc.file, field="--topology") from None
+        raise
+    spec = build_spec(shapes, backend, quick)
+    say(f"microbenchmarks: {nproc} {backend} ranks ({launcher}), {_count_items(spec, nproc)} items"
+        f"{' (quick)' if quick else ''}")  # fmt: skip
+    t0 = time.monotonic()
+    raw = run_microbench(spec, nproc, launcher, timeout_s, echo)
+    say(f"measured in {time.monotonic() - t0:.1f} s; fitting links, GEMM, memory, attention, optimizer")
+    t1 = time.monotonic()
+    run = fit_all(raw, topology, spec, stat=stat)
+    run.calibration.sweeps["fit_wall_s"] = time.monotonic() - t1
+    run.calibration.sweeps["job_wall_s"] = t1 - t0
+    if scenarios:
+        run.calibration.hardware["scenarios"] = [str(p) for p in scenarios]
+    if out is not None:
+        try:
+            save_calibration(out, run.calibration)
+        except OSError as exc:
+            raise InputError(f"cannot write '{out}': {exc.strerror or exc}", field="--out") from None
+        say(f"wrote {out}")
+    return run
+
+
+def _count_items(spec: dict[str, Any], nproc: int) -> int:
+    c = spec.get("comm") or {}
+    n_comm = len(c.get("kinds", ())) * len(c.get("sizes", ())) if nproc > 1 else 0
+    per_dtype = len(spec.get("gemm", ())) + len(spec.get("attention", ()))
+    return (n_comm + per_dtype * len(spec.get("dtypes", ())) + len(spec.get("memory_elements", ())) + 1
+            + len(spec.get("optimizer_params", ())))  # fmt: skip
+
+
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e6:.1f}"
+
+
+def format_report(cal: Calibration) -> str:
+    """Human summary: the nccl-tests-style table (time = the statistic the fit used; median; the
+    fitted model's time) and every fitted number with its fit error."""
+    hw = cal.hardware
+    stat = cal.sweeps.get("stat", "median")
+    lines = [
+        f"calibration of {hw.get('device_name')} x {hw.get('world_size')} ranks ({hw.get('backend')}, "
+        f"{hw.get('threads_per_rank')} threads per rank, torch {hw.get('torch')}, host {hw.get('host')})"
+    ]
+    comm = cal.sweeps.get("comm") or []
+    if comm:
+        lines.append(f"# time = {stat} of the repetitions (the slowest rank's, each); GB/s = 1e9 B/s")
+        lines.append(f"# {'collective':<11} {'size (B)':>10} {'time (us)':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+                     f" {'median (us)':>11} {'model (us)':>10}")  # fmt: skip
+        for r in comm:
+            lines.append(
+                f"  {r['kind']:<11} {r['bytes']:>10d} {_us(r['time_s']):>10} {r['algbw_GBps']:>11.3f} "
+                f"{r['busbw_GBps']:>11.3f} {_us(r.get('median_time_s')):>11} {_us(r.get('fit_time_s')):>10}"
+            )
+    for cls, f in cal.links.items():
+        lines.append(
+            f"link {cls}: alpha {f.alpha_us:.2f} us per link, bw {f.bw_GBps:.3f} GB/s; fit error median "
+            f"{100 * (f.fit_rel_err or 0):.1f}%, max {100 * (f.fit_max_rel_err or 0):.1f}% over {f.points} sizes"
+        )
+    for kind, f in (cal.sweeps.get("links_by_kind") or {}).items():
+        lines.append(f"  ({kind} alone: alpha {f['alpha_us']:.2f} us, bw {f['bw_GBps']:.3f} GB/s, "
+                     f"max error {100 * (f.get('fit_max_rel_err') or 0):.1f}%)")  # fmt: skip
+    for d, g in cal.gemm.items():
+        lines.append(
+            f"GEMM {d}: peak {g.peak_TFLOPs * 1e3:.2f} GFLOP/s, m_half {g.m_half:.1f}, nk_half {g.nk_half:.1f}; "
+            f"fit error median {100 * (g.fit_rel_err or 0):.1f}%, max {100 * (g.fit_max_rel_err or 0):.1f}% "
+            f"over {g.points} shapes"
+        )
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    lines.append(
+        f"memory {num(cal.hbm_bw_GBps, '.2f')} GB/s, kernel launch {num(cal.kernel_launch_us, '.2f')} us, "
+        f"attention efficiency {num(cal.attention_efficiency, '.3f')}, optimizer "
+        f"{num(cal.optimizer_bytes_per_param, '.1f')} B/param + {num(cal.optimizer_step_overhead_us, '.0f')} us per step"
+    )
+    return "\n".join(lines)
+
+
+__all__ = ["BACKENDS", "LAUNCHERS", "CalibrationRun", "build_spec", "calibrate", "check_writable", "fit_all",
+           "format_report", "run_microbench", "scenario_shapes"]  # fmt: skip

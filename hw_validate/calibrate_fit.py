@@ -1,0 +1,279 @@
+"""The fits of ``moesim calibrate`` (:mod:`hw_validate.calibrate`): microbenchmark results ->
+:class:`sim.calibration.Calibration`, each through the simulator's own formula."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from sim.calibration import Calibration, GemmFit, LinkFit, apply_link_calibration
+
+
+# ---- links -----------------------------------------------------------------------------------------
+def bench_cluster(topology, nproc: int):
+    """The one-node cluster of the benchmarked ranks on ``topology`` (a Topology, or a shipped name
+    or YAML path); only its structure matters, the fitted class replaces its link figures."""
+    from sim.cluster import build_cluster
+    from sim.topology import Topology, load_topology
+
+    topo = topology if isinstance(topology, Topology) else load_topology(str(topology))
+    return build_cluster(topo, 1, nproc)
+
+
+def simulate_sweep(cluster, rows: list[dict]) -> np.ndarray:
+    """The simulator's time of every measured collective (``kind``, ``bytes``) on ``cluster``."""
+    from sim.cli.collective import measure
+
+    out = np.zeros(len(rows))
+    for kind in sorted({r["kind"] for r in rows}):
+        idx = [i for i, r in enumerate(rows) if r["kind"] == kind]
+        got = measure(cluster, kind, "direct" if kind == "all_to_all" else "ring", [rows[i]["bytes"] for i in idx])
+        for i, g in zip(idx, got, strict=True):
+            out[i] = g["time_s"]
+    return out
+
+
+def _with_link(cluster, cls: str, alpha_us: float, bw_GBps: float):
+    return apply_link_calibration(cluster, Calibration(links={cls: LinkFit(alpha_us=alpha_us, bw_GBps=bw_GBps)}))
+
+
+def link_design(cluster, rows: list[dict], cls: str = "intra") -> tuple[np.ndarray, np.ndarray]:
+    """The simulator's time of every row is ``a alpha + b / bw`` in the class's link latency alpha
+    (s) and bandwidth bw (B/s): ``a`` (latencies on the critical path) and ``b`` (bytes on it) from
+    two simulations, one with zero bytes cost and one with zero latency."""
+    a = simulate_sweep(_with_link(cluster, cls, 1.0, 1e9), rows) / 1e-6  # s per s of link latency
+    b = simulate_sweep(_with_link(cluster, cls, 0.0, 1.0), rows) * 1e9  # s x B/s
+    return a, b
+
+
+def fit_link(cluster, rows: list[dict], cls: str = "intra") -> tuple[LinkFit, np.ndarray]:
+    """alpha (per link) and bandwidth of link class ``cls`` from measured collectives ``rows``
+    (``kind``, ``bytes``, ``time_s``); returns the fit and the simulator's times with it.
+    ``t = a alpha + b / bw`` is linear in (alpha, 1/bw): non-negative least squares on relative
+    error. The reported errors come from re-simulating every row with the fitted pair."""
+    from scipy.optimize import lsq_linear
+
+    t = np.array([r["time_s"] for r in rows], dtype=np.float64)
+    a, b = link_design(cluster, rows, cls)
+    design = np.stack([a, b], axis=1) / t[:, None]
+    scale = np.abs(design).max(axis=0)  # columns of order 1 (a ~ 1, b ~ bytes / t)
+    sol = lsq_linear(design / scale, np.ones(len(t)), bounds=([0.0, 1e-30], [np.inf, np.inf]))
+    x = sol.x / scale
+    alpha_us = float(x[0]) * 1e6
+    bw_GBps = 1.0 / float(x[1]) / 1e9
+    pred = simulate_sweep(_with_link(cluster, cls, alpha_us, bw_GBps), rows)
+    err = np.abs(pred / t - 1.0)
+    fit = LinkFit(alpha_us=alpha_us, bw_GBps=bw_GBps, fit_rel_err=float(np.median(err)),
+                  fit_max_rel_err=float(err.max()), points=len(t))  # fmt: skip
+    return fit, pred
+
+
+def gemm_model_times(params: tuple[float, float, float], shapes: np.ndarray, bpe: int, hbm_Bps: float, launch_s: float) -> np.ndarray:
+    """:meth:`sim.costs.CostModel.gemm_time` for every (m, n, k) row of ``shapes``."""
+    peak, m_half, nk_half = params
+    m, n, k = shapes[:, 0], shapes[:, 1], shapes[:, 2]
+    rate = peak * (m / (m + m_half)) * (n / (n + nk_half)) * (k / (k + nk_half))
+    return np.maximum(2.0 * m * n * k / rate, bpe * (m * k + k * n + m * n) / hbm_Bps) + launch_s
+
+
+def fit_gemm(rows: list[dict], bpe: int, hbm_Bps: float, launch_s: float) -> tuple[GemmFit, np.ndarray]:
+    """``peak_TFLOPs``, ``m_half``, ``nk_half`` by least squares on log time."""
+    from scipy.optimize import least_squares
+
+    shapes = np.array([[r["m"], r["n"], r["k"]] for r in rows], dtype=np.float64)
+    t = np.array([r["time_s"] for r in rows], dtype=np.float64)
+    flops = 2.0 * shapes.prod(axis=1)
+    big = flops >= np.quantile(flops, 0.75)
+    peak0 = float(np.max(flops[big] / np.maximum(t[big] - launch_s, 1e-9)))
+
+    def resid(x):
+        p = (math.exp(x[0]), math.exp(x[1]) - 1.0, math.exp(x[2]) - 1.0)
+        return np.log(gemm_model_times(p, shapes, bpe, hbm_Bps, launch_s)) - np.log(t)
+
+    best = None
+    for m0, nk0 in ((16.0, 16.0), (128.0, 64.0), (512.0, 256.0)):
+        x0 = np.array([math.log(peak0 * 1.3), math.log(m0 + 1), math.log(nk0 + 1)])
+        sol = least_squares(resid, x0, bounds=([math.log(peak0 * 0.05), 0.0, 0.0], [math.log(peak0 * 50), 12.0, 12.0]))
+        if best is None or sol.cost < best.cost:
+            best = sol
+    assert best is not None
+    peak, m_half, nk_half = math.exp(best.x[0]), math.exp(best.x[1]) - 1.0, math.exp(best.x[2]) - 1.0
+    pred = gemm_model_times((peak, m_half, nk_half), shapes, bpe, hbm_Bps, launch_s)
+    err = np.abs(pred / t - 1.0)
+    fit = GemmFit(peak_TFLOPs=peak / 1e12, m_half=m_half, nk_half=nk_half, fit_rel_err=float(np.median(err)),
+                  fit_max_rel_err=float(err.max()), points=len(t))  # fmt: skip
+    return fit, pred
+
+
+def fit_memory(rows: list[dict], launch_s: float) -> float:
+    """Bytes/s of an elementwise kernel: least squares of ``t = launch + bytes / bw`` on relative
+    error, with the launch cost fixed (``kernel_launch_us``: the simulator adds it to every kernel);
+    sizes that took less than a launch say nothing about bandwidth and are left out, unless all
+    did (then the bandwidth is the largest bytes / time seen: a lower bound)."""
+    nbytes = np.array([r["bytes"] for r in rows], dtype=np.float64)
+    t = np.array([r["time_s"] for r in rows], dtype=np.float64)
+    ok = t > launch_s * 1.05
+    if not ok.any():
+        return float(np.max(nbytes / t))
+    nb, tt = nbytes[ok], t[ok]
+    # minimise sum ((launch + x nbytes) / t - 1)^2 over x = 1 / bw
+    x = float(np.sum(nb * (tt - launch_s) / tt**2) / np.sum(nb**2 / tt**2))
+    return 1.0 / x
+
+
+def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> tuple[float, float]:
+    """(core FLOPs, bytes) of one causal attention forward, as :mod:`sim.schedule` counts them (fp32 bytes x bpe/4)."""
+    pairs = seq * (seq + 1) // 2
+    return 2.0 * heads * 2 * head_dim * pairs * batch, 4.0 * batch * seq * heads * head_dim
+
+
+def fit_attention(rows: list[dict], peak_Bps: dict[str, float], hbm_Bps: float, launch_s: float) -> float | None:
+    """Attention-core efficiency relative to the fitted GEMM peak (forward and 2.5x backward points)."""
+    from sim.costs import BYTES_PER_ELEMENT
+    from sim.schedule import ATTENTION_BWD_FACTOR
+
+    effs = []
+    for r in rows:
+        peak = peak_Bps.get(r["dtype"])
+        if peak is None:
+            continue
+        flops, io = attention_flops(r["batch"], r["heads"], r["seq"], r["head_dim"])
+        io *= BYTES_PER_ELEMENT[r["dtype"]]
+        for f, nb, t in ((flops, io, r["fwd_s"]), (ATTENTION_BWD_FACTOR * flops, 2 * io, r["bwd_s"])):
+            compute = t - launch_s
+            if compute > nb / hbm_Bps and compute > 0:
+                effs.append(f / compute / peak)
+    if not effs:
+        return None
+    return float(min(1.0, math.exp(float(np.median(np.log(effs))))))
+
+
+def fit_optimizer(rows: list[dict], hbm_Bps: float) -> tuple[float, float]:
+    """(bytes per parameter at ``hbm_Bps``, fixed overhead s) of one Adam step: ``t = c + P x slope``."""
+    p = np.array([r["params"] for r in rows], dtype=np.float64)
+    t = np.array([r["time_s"] for r in rows], dtype=np.float64)
+    if len(p) == 1:
+        return float(t[0] / p[0] * hbm_Bps), 0.0
+    w = 1.0 / t  # relative error
+    A = np.stack([np.ones_like(p), p], axis=1) * w[:, None]
+    from scipy.optimize import lsq_linear
+
+    sol = lsq_linear(A, np.ones_like(p), bounds=([0.0, 1e-18], [np.inf, np.inf]))
+    c, slope = float(sol.x[0]), float(sol.x[1])
+    return slope * hbm_Bps, c
+
+
+def comm_table(rows: list[dict]) -> list[dict]:
+    """nccl-tests-style rows: size, time, algbw, busbw (GB/s = 1e9 B/s)."""
+    from sim.collectives_analytic import bandwidths_GBps
+
+    out = []
+    for r in rows:
+        algbw, busbw = bandwidths_GBps(r["kind"], r["ranks"], r["bytes"], r["time_s"])
+        out.append({**r, "algbw_GBps": algbw, "busbw_GBps": busbw})
+    return out
+
+
+@dataclass
+class CalibrationRun:
+    calibration: Calibration
+    raw: dict[str, Any]
+    report: dict[str, Any]
+
+
+STATS = ("p25", "median")
+#: per section: (field the fits read, field holding the lower quartile)
+_STAT_FIELDS = {"comm": [("time_s", "p25_s")], "gemm": [("time_s", "p25_s")], "memory": [("time_s", "p25_s")],
+                "optimizer": [("time_s", "p25_s")], "attention": [("fwd_s", "fwd_p25_s"), ("bwd_s", "bwd_p25_s")],
+                "launch": [("fwd_op_s", "fwd_op_p25_s"), ("bwd_op_s", "bwd_op_p25_s")]}  # fmt: skip
+
+
+def select_stat(raw: dict[str, Any], stat: str = "p25") -> dict[str, Any]:
+    """A copy of a microbenchmark result whose time fields hold ``stat`` of the repetitions:
+    ``p25`` (lower quartile: the machine with the least interference from other processes) or
+    ``median``; the median stays under ``median_*`` for the record."""
+    import copy
+
+    if stat not in STATS:
+        raise ValueError(f"stat must be one of {STATS}, got {stat!r}")
+    out = copy.deepcopy(raw)
+    for key, fields in _STAT_FIELDS.items():
+        rows = out.get(key)
+        for r in [rows] if isinstance(rows, dict) else rows or []:
+            for f, q in fields:
+                if f in r:
+                    r["median_" + f] = r[f]
+                    if stat == "p25" and q in r:
+                        r[f] = r[q]
+    out["stat"] = stat
+    return out
+
+
+def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "p25") -> CalibrationRun:
+    """Every fit from a microbenchmark result (timings reduced to ``stat``, see :func:`select_stat`);
+    the Calibration plus a report of fit quality."""
+    from sim.costs import BYTES_PER_ELEMENT
+
+    raw = select_stat(raw, stat)
+    hw = raw["hardware"]
+    launch_s = float(raw["launch"]["fwd_op_s"])
+    hbm = fit_memory(raw["memory"], launch_s) if raw["memory"] else None
+    hbm_Bps = hbm if hbm is not None else float("inf")
+    for r in raw["memory"]:
+        r["fit_time_s"] = launch_s + r["bytes"] / hbm_Bps
+    report: dict[str, Any] = {"stat": stat, "kernel_launch_us": launch_s * 1e6,
+                              "hbm_bw_GBps": hbm / 1e9 if hbm else None, "links": {}, "gemm": {}}  # fmt: skip
+    gemm: dict[str, GemmFit] = {}
+    gemm_rows: list[dict] = []
+    for dtype in sorted({r["dtype"] for r in raw["gemm"]}):
+        rows = [r for r in raw["gemm"] if r["dtype"] == dtype]
+        fit, pred = fit_gemm(rows, BYTES_PER_ELEMENT[dtype], hbm_Bps, launch_s)
+        gemm[dtype] = fit
+        gemm_rows += [{**r, "fit_time_s": float(p)} for r, p in zip(rows, pred, strict=True)]
+        report["gemm"][dtype] = fit.model_dump()
+    att = fit_attention(raw["attention"], {d: g.peak_TFLOPs * 1e12 for d, g in gemm.items()}, hbm_Bps, launch_s)
+    bpp, overhead = fit_optimizer(raw["optimizer"], hbm_Bps) if raw["optimizer"] and hbm else (None, None)
+    links: dict[str, LinkFit] = {}
+    table = comm_table(raw["comm"])
+    if raw["comm"]:
+        cluster = bench_cluster(topology, int(hw["world_size"]))
+        fit, pred = fit_link(cluster, raw["comm"], "intra")
+        links["intra"] = fit
+        for row, p in zip(table, pred, strict=True):
+            row["fit_time_s"] = float(p)
+        report["links"]["intra"] = fit.model_dump()
+        # each collective alone (a diagnostic: how far one pair for both is from each one's own)
+        report["links_by_kind"] = {}
+        for kind in sorted({r["kind"] for r in raw["comm"]}):
+            sub = [r for r in raw["comm"] if r["kind"] == kind]
+            if len(sub) >= 2:
+                report["links_by_kind"][kind] = fit_link(cluster, sub, "intra")[0].model_dump()
+    report.update(attention_efficiency=att, optimizer_bytes_per_param=bpp,
+                  optimizer_step_overhead_us=overhead * 1e6 if overhead is not None else None)  # fmt: skip
+    cal = Calibration(
+        hardware={**hw, "topology": getattr(topology, "name", str(topology))},
+        gemm=gemm,
+        attention_efficiency=att,
+        hbm_bw_GBps=hbm / 1e9 if hbm else None,
+        kernel_launch_us=launch_s * 1e6,
+        links=links,
+        optimizer_bytes_per_param=bpp,
+        optimizer_step_overhead_us=overhead * 1e6 if overhead is not None else None,
+        sweeps={
+            "stat": stat,
+            "comm": table,
+            "links_by_kind": report.get("links_by_kind", {}),
+            "gemm": gemm_rows,
+            "attention": raw["attention"],
+            "memory": raw["memory"],
+            "launch": raw["launch"],
+            "optimizer": raw["optimizer"],
+            "spec": {k: v for k, v in spec.items() if k != "gemm"},
+            "wall_s": raw.get("wall_s"),
+            "command": raw.get("command"),
+        },
+    )
+    return CalibrationRun(cal, raw, report)

@@ -1,0 +1,341 @@
+"""Microbenchmarks of one machine, run as a real multi-rank job (one process per rank).
+
+Launched by :mod:`hw_validate.calibrate` (``moesim calibrate``) with ``torchrun`` or the
+``deepspeed`` launcher; every rank runs::
+
+    python hw_validate/microbench.py --spec SPEC.json --out RESULT.json
+
+``SPEC.json`` (written by the driver) says what to measure::
+
+    {"backend": "gloo" | "nccl", "dtypes": ["fp32"],
+     "comm": {"kinds": ["all_to_all", "all_reduce"], "sizes": [4096, ...], "reps": 5, "target_s": 0.02},
+     "gemm": [[m, n, k], ...],                      # (m x k) @ (k x n)
+     "attention": [[batch, heads, seq, head_dim], ...],
+     "memory_elements": [65536, ...], "launch_ops": 2000,
+     "optimizer_params": [100000, 1000000], "reps": 5, "target_s": 0.02}
+
+Rank 0 writes ``RESULT.json`` (atomically): seconds per call for every item, the median over
+``reps`` timed repetitions (each a loop long enough to last ``target_s``), and for compute items
+the median over ranks. Every rank computes at the same time (a barrier before each item), as the
+ranks of the training job do, so shared memory bandwidth and cores are shared the same way.
+Collectives: each repetition's time is the slowest rank's (all-reduce MAX), nccl-tests style.
+
+Threads: on CPU ranks each rank uses ``cpu_count // local ranks`` threads unless
+``OMP_NUM_THREADS`` is set -- the rule of ``hw_validate/train_moe.py`` -- so that calibration and
+the training job see the same compute. Progress goes to rank 0's stderr (tqdm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import time
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script by torchrun / deepspeed
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+COMPUTE_KEYS = ("gemm", "attention", "memory", "optimizer")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "tf32": torch.float32}
+
+
+def set_threads(device: str) -> int:
+    """train_moe.py's rule: ``cpu_count // LOCAL_WORLD_SIZE`` threads per CPU rank unless OMP_NUM_THREADS."""
+    if device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
+    return torch.get_num_threads()
+
+
+def stats(times: list[float]) -> tuple[float, float]:
+    """(median, lower quartile) of repetition times: the quartile is what a fit uses by default, as
+    it is the least disturbed by other processes on a shared host while not the lucky extreme."""
+    p25 = statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) > 1 else times[0]
+    return statistics.median(times), float(p25)
+
+
+class Bench:
+    def __init__(self, spec: dict, device: torch.device):
+        self.spec, self.device = spec, device
+        self.cuda = device.type == "cuda"
+        self.reps = int(spec.get("reps", 5))
+        self.target_s = float(spec.get("target_s", 0.02))
+        self.max_iters = int(spec.get("max_iters", 1000))
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def _loop(self, fn, iters: int) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        self.sync()
+        return (time.perf_counter() - t0) / iters
+
+    def iters_for(self, fn, agree: bool = False, target_s: float | None = None) -> int:
+        """Iterations per repetition so that one lasts ``target_s``; ``agree``: the same on every rank."""
+        fn()
+        once = max(self._loop(fn, 1), 1e-7)
+        if agree:
+            t = torch.tensor([once], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            once = float(t.item())
+        return int(min(self.max_iters, max(1, round((target_s or self.target_s) / once))))
+
+    def time_local(self, fn) -> tuple[float, float]:
+        """(median, lower quartile) over repetitions of seconds per call of ``fn`` on this rank (all
+        ranks run it at the same time)."""
+        dist.barrier()
+        iters = self.iters_for(fn)
+        times = [self._loop(fn, iters) for _ in range(self.reps)]
+        dist.barrier()
+        return stats(times)
+
+    def time_collective(self, fn, reps: int | None = None, target_s: float | None = None) -> list[float]:
+        """The slowest rank's seconds per call in each of ``reps`` repetitions (nccl-tests style:
+        every repetition starts at a barrier, and its time is the MAX over ranks)."""
+        iters = self.iters_for(fn, agree=True, target_s=target_s)
+        out = []
+        for _ in range(reps or self.reps):
+            dist.barrier()
+            dt = self._loop(fn, iters)
+            t = torch.tensor([dt], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            out.append(float(t.item()))
+        return out
+
+
+def bench_comm(b: Bench, world: int, progress) -> list[dict]:
+    c = b.spec.get("comm") or {}
+    rows = []
+    if world < 2:
+        return rows
+    for kind in c.get("kinds", ("all_to_all", "all_reduce")):
+        for size in c.get("sizes", ()):
+            n = max(world, int(size) // 4 // world * world)  # fp32 elements, a multiple of world
+            x = torch.ones(n, dtype=torch.float32, device=b.device)
+            if kind == "all_to_all":
+                y = torch.empty_like(x)
+
+                def fn(x=x, y=y):
+                    dist.all_to_all_single(y, x)
+            elif kind == "all_reduce":
+
+                def fn(x=x):
+                    dist.all_reduce(x)
+            else:
+                raise ValueError(f"unknown collective {kind}")
+            reps = b.time_collective(fn, int(c.get("reps", b.reps)), c.get("target_s"))
+            rows.append({"kind": kind, "bytes": n * 4, "ranks": world, "time_s": statistics.median(reps),
+                         "p25_s": stats(reps)[1],
+                         "min_s": min(reps), "reps_s": reps})  # fmt: skip
+            progress.update()
+    return rows
+
+
+def bench_gemm(b: Bench, dtype: str, progress) -> list[dict]:
+    rows = []
+    dt = DTYPES[dtype]
+    for m, n, k in b.spec.get("gemm", ()):
+        # the weight requires grad, as in the training job: every call pays autograd's recording,
+        # which is what ``kernel_launch_us`` (measured the same way) stands for in the cost model
+        a = torch.randn(int(m), int(k), device=b.device).to(dt)
+        w = torch.randn(int(k), int(n), device=b.device).to(dt).requires_grad_()
+
+        def fn(a=a, w=w):
+            torch.matmul(a, w)
+
+        t, q = b.time_local(fn)
+        rows.append({"dtype": dtype, "m": int(m), "n": int(n), "k": int(k), "time_s": t, "p25_s": q})
+        progress.update()
+    return rows
+
+
+def bench_attention(b: Bench, dtype: str, progress) -> list[dict]:
+    import torch.nn.functional as F
+
+    rows = []
+    dt = DTYPES[dtype]
+    for bs, h, t, hd in b.spec.get("attention", ()):
+        q, k, v = (torch.randn(bs, h, t, hd, device=b.device).to(dt).requires_grad_() for _ in range(3))
+
+        def fwd(q=q, k=k, v=v):
+            with torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def fwd_bwd(q=q, k=k, v=v):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+
+        (tf, qf), (tb, qb) = b.time_local(fwd), b.time_local(fwd_bwd)
+        rows.append({"dtype": dtype, "batch": bs, "heads": h, "seq": t, "head_dim": hd, "fwd_s": tf, "fwd_p25_s": qf,
+                     "bwd_s": max(tb - tf, 0.0), "bwd_p25_s": max(qb - qf, 0.0)})  # fmt: skip
+        progress.update()
+    return rows
+
+
+def bench_memory(b: Bench, progress) -> list[dict]:
+    rows = []
+    for n in b.spec.get("memory_elements", ()):
+        x = torch.ones(int(n), dtype=torch.float32, device=b.device, requires_grad=True)
+        y = torch.ones_like(x)
+
+        def fn(x=x, y=y):
+            torch.add(x, y)  # reads 2, writes 1; recorded by autograd like the job's elementwise ops
+
+        t, q = b.time_local(fn)
+        rows.append({"elements": int(n), "bytes": 3 * 4 * int(n), "time_s": t, "p25_s": q})
+        progress.update()
+    return rows
+
+
+def bench_launch(b: Bench, progress) -> dict:
+    """Per-op cost of a tiny op recorded by autograd (eager dispatch + graph node): forward and backward."""
+    ops = int(b.spec.get("launch_ops", 2000))
+    x = torch.ones(8, device=b.device, requires_grad=True)
+
+    def chain():
+        y = x
+        for _ in range(ops):
+            y = y * 1.0001
+        return y
+
+    def fwd():
+        chain()
+
+    def fwd_bwd():
+        chain().sum().backward()
+
+    (tf, qf), (tb, qb) = b.time_local(fwd), b.time_local(fwd_bwd)
+    progress.update()
+    return {"ops": ops, "fwd_op_s": tf / ops, "fwd_op_p25_s": qf / ops,
+            "bwd_op_s": max(tb - tf, 0.0) / ops, "bwd_op_p25_s": max(qb - qf, 0.0) / ops}  # fmt: skip
+
+
+def bench_optimizer(b: Bench, progress) -> list[dict]:
+    """torch Adam (the ds_config's torch_adam) on one flat fp32 tensor, like a ZeRO partition."""
+    rows = []
+    for n in b.spec.get("optimizer_params", ()):
+        p = torch.nn.Parameter(torch.zeros(int(n), dtype=torch.float32, device=b.device))
+        p.grad = torch.full_like(p, 1e-3)
+        opt = torch.optim.Adam([p], lr=1e-4)
+        t, q = b.time_local(opt.step)
+        rows.append({"params": int(n), "time_s": t, "p25_s": q})
+        progress.update()
+    return rows
+
+
+def _count(spec: dict, world: int) -> int:
+    c = spec.get("comm") or {}
+    n_comm = len(c.get("kinds", ())) * len(c.get("sizes", ())) if world > 1 else 0
+    per_dtype = len(spec.get("gemm", ())) + len(spec.get("attention", ()))
+    return n_comm + per_dtype * len(spec.get("dtypes", ["fp32"])) + len(spec.get("memory_elements", ())) + 1 + len(
+        spec.get("optimizer_params", ())
+    )
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc="microbenchmarks", file=sys.stderr, disable=not enabled, dynamic_ncols=True)
+    except ImportError:  # tqdm is a dependency of moesim; keep going without a bar if it is missing
+
+        class _Null:
+            def update(self, n=1):
+                pass
+
+            def set_postfix_str(self, s):
+                pass
+
+            def close(self):
+                pass
+
+        return _Null()
+
+
+def hardware(device: torch.device, backend: str, world: int, threads: int) -> dict:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})"
+    return {
+        "device": device.type,
+        "device_name": name,
+        "backend": backend,
+        "world_size": world,
+        "threads_per_rank": threads,
+        "cpu_count": os.cpu_count(),
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda if device.type == "cuda" else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="microbench.py")
+    ap.add_argument("--spec", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    spec = json.loads(Path(args.spec).read_text())
+    backend = spec.get("backend", "gloo")
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    threads = set_threads(device.type)
+    dist.init_process_group(backend=backend)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b = Bench(spec, device)
+    bar = _progress(_count(spec, world), rank == 0)
+    t0 = time.time()
+    out: dict = {"hardware": hardware(device, backend, world, threads)}
+    bar.set_postfix_str("collectives")
+    out["comm"] = bench_comm(b, world, bar)
+    out["gemm"], out["attention"] = [], []
+    for dtype in spec.get("dtypes", ["fp32"]):
+        bar.set_postfix_str(f"GEMM {dtype}")
+        out["gemm"] += bench_gemm(b, dtype, bar)
+        bar.set_postfix_str(f"attention {dtype}")
+        out["attention"] += bench_attention(b, dtype, bar)
+    bar.set_postfix_str("memory")
+    out["memory"] = bench_memory(b, bar)
+    out["launch"] = bench_launch(b, bar)
+    bar.set_postfix_str("optimizer")
+    out["optimizer"] = bench_optimizer(b, bar)
+    bar.close()
+    # compute items: median over ranks of each rank's statistics (collectives are already the MAX)
+    local = {k: [{f: r[f] for f in r if f.endswith("_s")} for r in out[k]] for k in COMPUTE_KEYS}
+    local["launch"] = [{f: v for f, v in out["launch"].items() if f.endswith("_s")}]
+    every = [None] * world
+    dist.all_gather_object(every, local)
+    if rank == 0:
+        for key in (*COMPUTE_KEYS, "launch"):
+            rows = out[key] if key != "launch" else [out["launch"]]
+            for i, r in enumerate(rows):
+                for f in list(local[key][i]):
+                    per_rank = [e[key][i][f] for e in every]
+                    r[f] = statistics.median(per_rank)
+                    if f == "time_s":
+                        r["per_rank_s"] = per_rank
+        out["wall_s"] = time.time() - t0
+        tmp = Path(args.out + ".tmp")
+        tmp.write_text(json.dumps(out, indent=1, sort_keys=True))
+        os.replace(tmp, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""``moesim calibrate --out CALIB.json``: microbenchmarks on this hardware as a real multi-rank
+job (torchrun or the deepspeed launcher; gloo CPU ranks or NCCL GPUs), fitted into a calibration
+file (``moesim.calibration`` v1, schema in :mod:`sim.calibration`) that a scenario's
+``calibration:`` names. Prints the nccl-tests-style table of the collectives and every fitted
+number; ``--json`` adds the fit report to the calibration document.
+
+The work is in :mod:`hw_validate.calibrate` (it imports torch); it is imported only when the
+command runs, so ``sim`` stays free of torch. Exit status: 0 ok; 2 bad input (the message names
+the flag or file); 1 the job failed or hung (one line saying why, then the job's last lines).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+from sim.cli.common import add_json_argument
+from sim.errors import InputError
+
+BACKENDS = ("gloo", "nccl")
+LAUNCHERS = ("torchrun", "deepspeed")
+STATS = ("p25", "median")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run collective (all_to_all_single, all_reduce), GEMM, attention, memory, kernel-launch and "
+        "optimizer microbenchmarks as a real job on N local ranks, fit the simulator's link "
+        "alpha/bandwidth and kernel-efficiency models to them, and write a calibration JSON."
+    )
+    parser.epilog = (
+        "example: moesim calibrate --nproc 2 --scenario scenarios/cpu-2rank.yaml --out calib.json; "
+        "then set 'calibration: calib.json' in the scenario. Exit status: 0 ok, 2 bad input, 1 the "
+        "job failed or timed out."
+    )
+    parser.add_argument("--out", required=True, metavar="CALIB.json", help="calibration file to write (atomically)")
+    parser.add_argument("--nproc", type=int, default=2, metavar="N", help="ranks on this machine (default 2)")
+    parser.add_argument("--backend", choices=BACKENDS, default="gloo",
+                        help="gloo: CPU ranks (default); nccl: one GPU per rank")  # fmt: skip
+    parser.add_argument("--launcher", choices=LAUNCHERS, default="torchrun",
+                        help="how the ranks are started (default torchrun)")  # fmt: skip
+    parser.add_argument("--scenario", action="append", default=[], metavar="S",
+                        help="scenario YAML whose layer shapes (expert, router, attention GEMMs; activation "
+                        "and optimizer sizes) are measured too (repeatable); the first one's topology "
+                        "is the cluster the link fit uses")  # fmt: skip
+    parser.add_argument("--topology", metavar="T",
+                        help="topology (shipped name or YAML) of the link fit (default: the first "
+                        "scenario's, else cpu-host for gloo and hgx-h200 for nccl)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer sizes, shapes and repetitions (seconds instead of a minute on CPU ranks)")  # fmt: skip
+    parser.add_argument("--timeout", type=float, default=900.0, metavar="S",
+                        help="stop the job and fail after S seconds (default 900)")  # fmt: skip
+    parser.add_argument("--stat", choices=STATS, default="p25",
+                        help="statistic of the timed repetitions the fits use: p25 (lower quartile, the "
+                        "least disturbed by other processes; default) or median")  # fmt: skip
+    parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    add_json_argument(parser)
+
+
+def _need(module: str, why: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise _Missing(f"{module} is not installed ({why}); install it with pip install 'moesim[hw]'")
+
+
+class _Missing(RuntimeError):
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    from sim.ioutil import write_json
+
+    if args.nproc < 1:
+        raise InputError(f"must be >= 1, got {args.nproc}", field="--nproc")
+    try:
+        _need("torch", "the microbenchmarks run on it")
+        if args.launcher == "deepspeed":
+            _need("deepspeed", "the deepspeed launcher")
+    except _Missing as exc:
+        print(f"moesim: error: {exc}", file=sys.stderr)
+        return 1
+    from hw_validate.calibrate import calibrate, check_writable, format_report
+    from hw_validate.launch import JobError
+
+    if args.json and args.json != "-":
+        check_writable(args.json, "--json")
+
+    def say(line: str) -> None:
+        if not args.no_progress:
+            print(f"[calibrate] {line}", file=sys.stderr, flush=True)
+
+    try:
+        res = calibrate(
+            args.out, nproc=args.nproc, backend=args.backend, launcher=args.launcher, topology=args.topology,
+            scenarios=args.scenario, quick=args.quick, timeout_s=args.timeout, echo=not args.no_progress,
+            stat=args.stat, progress=say,
+        )  # fmt: skip
+    except JobError as exc:
+        print(f"moesim: error: {exc}", file=sys.stderr)
+        return 1
+    doc = res.calibration.model_dump(mode="json")
+    if args.json:
+        write_json(args.json, {**doc, "out": str(args.out), "report": res.report})
+    if args.json != "-":
+        print(format_report(res.calibration))
+        print(f"calibration written to {args.out}")
+    return 0

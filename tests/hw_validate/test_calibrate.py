@@ -1,0 +1,189 @@
+"""``moesim calibrate``: a real quick calibration on 2 gloo CPU ranks (torchrun), its file consumed
+by ``simulate``, the fitted alpha/bandwidth checked against the closed form of the simulator's
+collectives and against the measured sweep, and the failure paths (bad input, a rank that dies, a
+job past its timeout). Measured values are never asserted against wall-clock figures."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from sim.calibration import Calibration, GemmFit, LinkFit, load_calibration, save_calibration
+from sim.scenario import load_scenario
+from sim.simulate import simulate
+from tests.conftest import run_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+CPU2 = ROOT / "scenarios" / "cpu-2rank.yaml"
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory):
+    """One real ``moesim calibrate --quick`` on 2 gloo ranks: (process, calibration path, --json doc)."""
+    pytest.importorskip("torch")
+    d = tmp_path_factory.mktemp("calib")
+    out, js = d / "sub" / "calib.json", d / "calib.out.json"
+    proc = run_cli("calibrate", "--quick", "--nproc", "2", "--scenario", str(CPU2), "--out", str(out),
+                   "--json", str(js), "--timeout", "300")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, out, json.loads(js.read_text())
+
+
+@pytest.mark.slow
+def test_cli_prints_table_and_fits_and_writes_a_loadable_file(quick):
+    proc, out, doc = quick
+    assert "algbw GB/s" in proc.stdout and "busbw GB/s" in proc.stdout
+    assert "link intra: alpha" in proc.stdout and "GEMM fp32: peak" in proc.stdout
+    assert "[calibrate] microbenchmarks: 2 gloo ranks" in proc.stderr  # progress while it runs
+    cal = load_calibration(out)
+    assert cal.format == "moesim.calibration" and cal.version == 1
+    assert cal.hardware["world_size"] == 2 and cal.hardware["backend"] == "gloo"
+    assert set(cal.links) == {"intra"}  # one host: no inter-node class
+    intra = cal.links["intra"]
+    assert intra.alpha_us >= 0 and intra.bw_GBps > 0 and intra.points == len(cal.sweeps["comm"]) == 8
+    g = cal.gemm["fp32"]
+    assert g.peak_TFLOPs > 0 and g.points == len(cal.sweeps["gemm"]) > 6
+    for v in (cal.hbm_bw_GBps, cal.kernel_launch_us, cal.attention_efficiency, cal.optimizer_bytes_per_param):
+        assert v is not None and math.isfinite(v) and v > 0
+    # nccl-tests definitions for 2 ranks: algbw = S / t; busbw = algbw (all-reduce: 2(n-1)/n = 1),
+    # algbw / 2 (all-to-all: (n-1)/n)
+    for r in cal.sweeps["comm"]:
+        assert r["algbw_GBps"] == pytest.approx(r["bytes"] / r["time_s"] / 1e9, rel=1e-12)
+        assert r["busbw_GBps"] == pytest.approx(r["algbw_GBps"] * (1.0 if r["kind"] == "all_reduce" else 0.5), rel=1e-12)
+        assert r["time_s"] <= r["median_time_s"]  # the fit reads the lower quartile
+    assert doc["out"] == str(out) and doc["links"]["intra"] == intra.model_dump(mode="json")
+    assert doc["report"]["links"]["intra"]["bw_GBps"] == intra.bw_GBps
+
+
+@pytest.mark.slow
+def test_calibration_round_trips(quick, tmp_path):
+    _, out, _ = quick
+    cal = load_calibration(out)
+    again = tmp_path / "again.json"
+    save_calibration(again, cal)
+    assert load_calibration(again) == cal
+    assert again.read_bytes() == out.read_bytes()  # deterministic JSON, bit for bit
+
+
+@pytest.mark.slow
+def test_fitted_link_reproduces_the_measured_sweep(quick):
+    """Re-simulating every measured size with the calibrated cluster (the path ``simulate`` takes)
+    gives the closed form of the simulator's collectives on 2 ranks -- all-to-all 2 alpha + S/2 / bw,
+    ring all-reduce 4 alpha + S / bw (two links per transfer) -- and stays within the fit's errors."""
+    from hw_validate.calibrate_fit import bench_cluster, simulate_sweep
+    from sim.calibration import apply_link_calibration
+
+    _, out, _ = quick
+    cal = load_calibration(out)
+    f = cal.links["intra"]
+    rows = cal.sweeps["comm"]
+    pred = simulate_sweep(apply_link_calibration(bench_cluster("cpu-host", 2), cal), rows)
+    a, bw = f.alpha_us * 1e-6, f.bw_GBps * 1e9
+    closed = [(2 * a + r["bytes"] / 2 / bw) if r["kind"] == "all_to_all" else (4 * a + r["bytes"] / bw) for r in rows]
+    np.testing.assert_allclose(pred, closed, rtol=1e-6)
+    np.testing.assert_allclose(pred, [r["fit_time_s"] for r in rows], rtol=1e-12)
+    err = np.abs(pred / np.array([r["time_s"] for r in rows]) - 1)
+    assert err.max() <= f.fit_max_rel_err * (1 + 1e-9)
+    assert np.median(err) == pytest.approx(f.fit_rel_err, rel=1e-9)
+    # the GEMM fit's errors are those of its own predictions
+    g = cal.gemm["fp32"]
+    gerr = np.array([abs(r["fit_time_s"] / r["time_s"] - 1) for r in cal.sweeps["gemm"]])
+    assert gerr.max() == pytest.approx(g.fit_max_rel_err, rel=1e-9)
+    assert np.median(gerr) == pytest.approx(g.fit_rel_err, rel=1e-9)
+
+
+def _scenario_with(cal: Calibration, d: Path, name: str = "s") -> Path:
+    save_calibration(d / f"{name}.json", cal)
+    doc = yaml.safe_load(CPU2.read_text())
+    doc["calibration"] = f"{name}.json"  # relative to the scenario file
+    p = d / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return p
+
+
+def test_simulate_consumes_link_bandwidth(tmp_path):
+    """Pure bandwidth (alpha 0): the padded all-to-all time is bytes / bw, so halving bw_GBps adds
+    exactly a2a_bytes / bw; the grad sync doubles too."""
+    res = {}
+    for bw in (1.5, 0.75):
+        p = _scenario_with(Calibration(links={"intra": LinkFit(alpha_us=0.0, bw_GBps=bw)}), tmp_path, f"bw{bw}")
+        res[bw] = simulate(load_scenario(p))
+    full, half = res[1.5], res[0.75]
+    sent = full["traffic"]["a2a_bytes"]
+    assert sent > 0 and half["traffic"]["a2a_bytes"] == sent
+    assert full["breakdown_s"]["a2a"] == pytest.approx(sent / 1.5e9, rel=1e-9)
+    assert half["breakdown_s"]["a2a"] - full["breakdown_s"]["a2a"] == pytest.approx(sent / 1.5e9, rel=1e-9)
+    assert half["breakdown_s"]["grad_sync"] == pytest.approx(2 * full["breakdown_s"]["grad_sync"], rel=1e-9)
+    assert half["breakdown_s"]["compute"] == full["breakdown_s"]["compute"]
+
+
+def test_simulate_consumes_gemm_peak(tmp_path):
+    """Launch 0 and unbounded memory bandwidth: every compute kernel is FLOP-bound at a rate
+    proportional to the GEMM peak (attention at a fixed fraction of it), so doubling peak_TFLOPs
+    halves the compute time; the calibrated optimizer overhead is the optimizer time."""
+    res = {}
+    for peak in (0.1, 0.2):
+        cal = Calibration(gemm={"fp32": GemmFit(peak_TFLOPs=peak, m_half=10.0, nk_half=10.0)}, hbm_bw_GBps=1e9,
+                          kernel_launch_us=0.0, attention_efficiency=0.5, optimizer_step_overhead_us=250.0)  # fmt: skip
+        res[peak] = simulate(load_scenario(_scenario_with(cal, tmp_path, f"p{peak}")))
+    slow, fast = res[0.1]["breakdown_s"], res[0.2]["breakdown_s"]
+    assert slow["compute"] > 0
+    assert fast["compute"] == pytest.approx(slow["compute"] / 2, rel=1e-6)
+    assert slow["optimizer"] == pytest.approx(250e-6, rel=1e-6)
+    assert fast["a2a"] == pytest.approx(slow["a2a"], rel=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("args", "field"),
+    [
+        (["--nproc", "0"], "--nproc"),
+        (["--backend", "mpi"], "--backend"),
+        (["--launcher", "srun"], "--launcher"),
+        (["--scenario", "no/such/scenario.yaml"], "--scenario"),
+        (["--timeout", "-5"], "--timeout"),
+        (["--topology", "no-such-topology"], "--topology"),
+    ],
+)
+def test_bad_input_exits_2_naming_the_field(tmp_path, args, field):
+    proc = run_cli("calibrate", "--out", str(tmp_path / "c.json"), *args)
+    assert proc.returncode == 2, proc.stderr
+    assert field in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "c.json").exists()
+
+
+def test_unwritable_out_exits_2(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    for out in (blocker / "c.json", tmp_path):  # under a regular file; a folder
+        proc = run_cli("calibrate", "--out", str(out))
+        assert proc.returncode == 2 and "--out" in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+def test_hung_job_is_stopped_at_the_timeout(tmp_path):
+    pytest.importorskip("torch")
+    proc = run_cli("calibrate", "--nproc", "2", "--timeout", "1", "--out", str(tmp_path / "c.json"))
+    assert proc.returncode == 1
+    assert "timed out after 1 s" in proc.stderr and "last lines of the job" in proc.stderr
+    assert "internal error" not in proc.stderr
+    assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.slow
+def test_rank_that_dies_is_a_job_error_with_its_cause(tmp_path):
+    pytest.importorskip("torch")
+    from hw_validate.calibrate import build_spec, run_microbench
+    from hw_validate.launch import JobError
+
+    spec = build_spec(None, "gloo", quick=True)
+    spec["comm"]["kinds"] = ["all_to_all", "broadcast_v"]  # a collective the bench does not know
+    with pytest.raises(JobError) as exc:
+        run_microbench(spec, 2, timeout_s=120, echo=False, work_dir=tmp_path)
+    first = str(exc.value).splitlines()[0]
+    assert "calibration job failed" in first and "unknown collective broadcast_v" in first
+    assert "last lines of the job" in str(exc.value)
