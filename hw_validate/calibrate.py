@@ -4,7 +4,7 @@ models to them and write a calibration JSON (:mod:`sim.calibration`, ``moesim.ca
 What is fitted, each through the simulator's own formula so that the fitted numbers reproduce the
 measurements when the simulator uses them:
 
-- ``links.intra`` (and ``inter`` when a job spans nodes; one host has only ``intra``): alpha (per
+- ``links.intra``: alpha (per
   link) and bandwidth such that the simulator's all-to-all and ring all-reduce over the cluster of
   the benchmarked ranks give the measured times. The simulated time is linear in the link latency
   and in 1/bandwidth, so the fit is a non-negative linear least squares on relative error; the
@@ -13,13 +13,16 @@ measurements when the simulator uses them:
   roofline ``max(2mnk / (peak h(m) h(n) h(k)), bytes / hbm) + launch`` (``h(x) = x / (x + c)``),
   least squares on log time (scipy), over the GEMM shapes the scenarios' layers produce (forward,
   input- and weight-gradient shapes, recorded from the simulator's schedule) plus a small grid.
-- ``hbm_bw_GBps`` (elementwise add over the scenarios' activation sizes), ``kernel_launch_us``
+- ``hbm_bw_GBps`` (the job's memory-bound ops -- add, GELU, LayerNorm, softmax, recorded by
+  autograd -- over the scenarios' activation sizes, with the launch cost fixed), ``kernel_launch_us``
   (a tiny op recorded by autograd), ``attention_efficiency`` (scaled_dot_product_attention forward
   and backward against the fitted GEMM peak), ``optimizer_bytes_per_param`` and
   ``optimizer_step_overhead_us`` (torch Adam on flat fp32 partitions of the scenarios' sizes).
 
-Raw measurements (the nccl-tests-style table with algbw/busbw among them) are kept under
-``sweeps``. The job is supervised: a rank that dies or a run past ``timeout_s`` is a
+Every item is timed in repetitions; the fits read the median (``stat="p25"``: the lower
+quartile). Raw measurements (the nccl-tests-style table with algbw/busbw among them, each row's
+model time ``fit_time_s``) are kept under ``sweeps``. One host is one node: there is no ``inter``
+class to fit (a multi-node sweep is not implemented). The job is supervised: a rank that dies or a run past ``timeout_s`` is a
 :class:`hw_validate.launch.JobError` with the log's last lines.
 """
 
@@ -140,11 +143,12 @@ def build_spec(
         "backend": backend,
         "dtypes": list(shapes.get("dtypes") or (["bf16"] if gpu else ["fp32"])),
         "comm": {"kinds": ["all_to_all", "all_reduce"], "sizes": QUICK_COMM_SIZES if quick else COMM_SIZES,
-                 # many short repetitions: their lower quartile sees through bursts of interference
+                 # many short repetitions: a median (or quartile) that bursts of interference move little
                  "reps": 9 if quick else 21, "target_s": 0.002 if quick else 0.005},
         "gemm": [list(s) for s in gemm],
         "attention": [list(a) for a in shapes.get("attention", [])] or [[4, 4, 64, 32]],
         "memory_elements": mem,
+        "memory_ops": ["add", "gelu", "layer_norm", "softmax"],
         "launch_ops": 500 if quick else 2000,
         "optimizer_params": opt_sizes,
         "reps": 3 if quick else 7,
@@ -305,7 +309,7 @@ def calibrate(
     quick: bool = False,
     timeout_s: float = 900.0,
     echo: bool = True,
-    stat: str = "p25",
+    stat: str = "median",
     progress=None,
 ) -> CalibrationRun:
     """Measure, fit, write ``out`` (when given, atomically); see the module docstring.
@@ -373,7 +377,7 @@ def _count_items(spec: dict[str, Any], nproc: int) -> int:
     c = spec.get("comm") or {}
     n_comm = len(c.get("kinds", ())) * len(c.get("sizes", ())) if nproc > 1 else 0
     per_dtype = len(spec.get("gemm", ())) + len(spec.get("attention", ()))
-    return (n_comm + per_dtype * len(spec.get("dtypes", ())) + len(spec.get("memory_elements", ())) + 1
+    return (n_comm + per_dtype * len(spec.get("dtypes", ())) + len(spec.get("memory_elements", ())) * len(spec.get("memory_ops", ())) + 1
             + len(spec.get("optimizer_params", ())))  # fmt: skip
 
 
@@ -382,8 +386,8 @@ def _us(x: float | None) -> str:
 
 
 def format_report(cal: Calibration) -> str:
-    """Human summary: the nccl-tests-style table (time = the statistic the fit used; median; the
-    fitted model's time) and every fitted number with its fit error."""
+    """Human summary: the nccl-tests-style table (time = the statistic the fit used, algbw and busbw
+    from it; the lower quartile; the fitted model's time) and every fitted number with its error."""
     hw = cal.hardware
     stat = cal.sweeps.get("stat", "median")
     lines = [
@@ -394,11 +398,11 @@ def format_report(cal: Calibration) -> str:
     if comm:
         lines.append(f"# time = {stat} of the repetitions (the slowest rank's, each); GB/s = 1e9 B/s")
         lines.append(f"# {'collective':<11} {'size (B)':>10} {'time (us)':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
-                     f" {'median (us)':>11} {'model (us)':>10}")  # fmt: skip
+                     f" {'p25 (us)':>9} {'model (us)':>10}")  # fmt: skip
         for r in comm:
             lines.append(
                 f"  {r['kind']:<11} {r['bytes']:>10d} {_us(r['time_s']):>10} {r['algbw_GBps']:>11.3f} "
-                f"{r['busbw_GBps']:>11.3f} {_us(r.get('median_time_s')):>11} {_us(r.get('fit_time_s')):>10}"
+                f"{r['busbw_GBps']:>11.3f} {_us(r.get('p25_s')):>9} {_us(r.get('fit_time_s')):>10}"
             )
     for cls, f in cal.links.items():
         lines.append(

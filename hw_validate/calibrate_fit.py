@@ -184,14 +184,14 @@ class CalibrationRun:
     report: dict[str, Any]
 
 
-STATS = ("p25", "median")
+STATS = ("median", "p25")
 #: per section: (field the fits read, field holding the lower quartile)
 _STAT_FIELDS = {"comm": [("time_s", "p25_s")], "gemm": [("time_s", "p25_s")], "memory": [("time_s", "p25_s")],
                 "optimizer": [("time_s", "p25_s")], "attention": [("fwd_s", "fwd_p25_s"), ("bwd_s", "bwd_p25_s")],
                 "launch": [("fwd_op_s", "fwd_op_p25_s"), ("bwd_op_s", "bwd_op_p25_s")]}  # fmt: skip
 
 
-def select_stat(raw: dict[str, Any], stat: str = "p25") -> dict[str, Any]:
+def select_stat(raw: dict[str, Any], stat: str = "median") -> dict[str, Any]:
     """A copy of a microbenchmark result whose time fields hold ``stat`` of the repetitions:
     ``p25`` (lower quartile: the machine with the least interference from other processes) or
     ``median``; the median stays under ``median_*`` for the record."""
@@ -212,7 +212,7 @@ def select_stat(raw: dict[str, Any], stat: str = "p25") -> dict[str, Any]:
     return out
 
 
-def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "p25") -> CalibrationRun:
+def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "median") -> CalibrationRun:
     """Every fit from a microbenchmark result (timings reduced to ``stat``, see :func:`select_stat`);
     the Calibration plus a report of fit quality."""
     from sim.costs import BYTES_PER_ELEMENT

@@ -11,7 +11,8 @@ Launched by :mod:`hw_validate.calibrate` (``moesim calibrate``) with ``torchrun`
      "comm": {"kinds": ["all_to_all", "all_reduce"], "sizes": [4096, ...], "reps": 5, "target_s": 0.02},
      "gemm": [[m, n, k], ...],                      # (m x k) @ (k x n)
      "attention": [[batch, heads, seq, head_dim], ...],
-     "memory_elements": [65536, ...], "launch_ops": 2000,
+     "memory_elements": [65536, ...], "memory_ops": ["add", "gelu", "layer_norm", "softmax"],
+     "launch_ops": 2000,
      "optimizer_params": [100000, 1000000], "reps": 5, "target_s": 0.02}
 
 Rank 0 writes ``RESULT.json`` (atomically): seconds per call for every item, the median over
@@ -56,8 +57,9 @@ def set_threads(device: str) -> int:
 
 
 def stats(times: list[float]) -> tuple[float, float]:
-    """(median, lower quartile) of repetition times: the quartile is what a fit uses by default, as
-    it is the least disturbed by other processes on a shared host while not the lucky extreme."""
+    """(median, lower quartile) of repetition times. The fits read the median by default (what a
+    call in a job typically pays); the quartile (``--stat p25``) is the least disturbed by other
+    processes on a shared host while not the lucky extreme."""
     p25 = statistics.quantiles(times, n=4, method="inclusive")[0] if len(times) > 1 else times[0]
     return statistics.median(times), float(p25)
 
@@ -183,18 +185,32 @@ def bench_attention(b: Bench, dtype: str, progress) -> list[dict]:
     return rows
 
 
+#: memory-bound ops of the training job (elementwise, activation, norm, softmax) and the bytes each
+#: moves per element in fp32: an add reads 2 and writes 1; the others read 1 and write 1
+MEMORY_OPS = {"add": 12, "gelu": 8, "layer_norm": 8, "softmax": 8}
+
+
 def bench_memory(b: Bench, progress) -> list[dict]:
+    """The job's memory-bound ops over activation sizes, recorded by autograd as in the job (rows of
+    width 128 where the size allows, as a hidden dimension)."""
+    import torch.nn.functional as F
+
     rows = []
-    for n in b.spec.get("memory_elements", ()):
-        x = torch.ones(int(n), dtype=torch.float32, device=b.device, requires_grad=True)
-        y = torch.ones_like(x)
-
-        def fn(x=x, y=y):
-            torch.add(x, y)  # reads 2, writes 1; recorded by autograd like the job's elementwise ops
-
-        t, q = b.time_local(fn)
-        rows.append({"elements": int(n), "bytes": 3 * 4 * int(n), "time_s": t, "p25_s": q})
-        progress.update()
+    for op in b.spec.get("memory_ops", list(MEMORY_OPS)):
+        for n in b.spec.get("memory_elements", ()):
+            n = int(n)
+            shape = (n // 128, 128) if n % 128 == 0 else (1, n)
+            x = torch.ones(shape, dtype=torch.float32, device=b.device, requires_grad=True)
+            y = torch.ones_like(x)
+            fn = {
+                "add": lambda x=x, y=y: torch.add(x, y),
+                "gelu": lambda x=x: F.gelu(x),
+                "layer_norm": lambda x=x: F.layer_norm(x, x.shape[-1:]),
+                "softmax": lambda x=x: torch.softmax(x, dim=-1),
+            }[op]
+            t, q = b.time_local(fn)
+            rows.append({"op": op, "elements": n, "bytes": MEMORY_OPS[op] * n, "time_s": t, "p25_s": q})
+            progress.update()
     return rows
 
 
@@ -238,7 +254,8 @@ def _count(spec: dict, world: int) -> int:
     c = spec.get("comm") or {}
     n_comm = len(c.get("kinds", ())) * len(c.get("sizes", ())) if world > 1 else 0
     per_dtype = len(spec.get("gemm", ())) + len(spec.get("attention", ()))
-    return n_comm + per_dtype * len(spec.get("dtypes", ["fp32"])) + len(spec.get("memory_elements", ())) + 1 + len(
+    return n_comm + per_dtype * len(spec.get("dtypes", ["fp32"])) + len(spec.get("memory_elements", ())) * len(
+        spec.get("memory_ops", MEMORY_OPS)) + 1 + len(
         spec.get("optimizer_params", ())
     )
 

@@ -7,11 +7,12 @@ replaces the topology's defaults where present::
       "format": "moesim.calibration", "version": 1,
       "hardware": {"device": "cpu", "backend": "gloo", "world_size": 2, "host": "...", "torch": "..."},
       "gemm": {                       # achieved TFLOP/s(M, N, K) = peak_TFLOPs * h(M; m_half) * h(N; nk_half) * h(K; nk_half)
-        "bf16": {"peak_TFLOPs": 700.0, "m_half": 400.0, "nk_half": 96.0, "fit_rel_err": 0.05},
+        "bf16": {"peak_TFLOPs": 700.0, "m_half": 400.0, "nk_half": 96.0, "fit_rel_err": 0.05,
+                 "fit_max_rel_err": 0.2, "points": 40},
         "fp32": {...}
       },                              # h(x; c) = x / (x + c): small-M expert GEMMs reach a fraction of peak
       "attention_efficiency": 0.6,    # attention-core throughput / achieved GEMM peak
-      "hbm_bw_GBps": 2900.0,          # achieved device-memory bandwidth (elementwise, optimizer)
+      "hbm_bw_GBps": 2900.0,          # achieved bandwidth of memory-bound kernels (elementwise, norms, optimizer)
       "kernel_launch_us": 6.0,        # fixed cost per kernel (launch + framework dispatch)
       "links": {                      # alpha-beta fits per link class: time = alpha + bytes / bw
         "intra": {"alpha_us": 12.0, "bw_GBps": 310.0, "fit_rel_err": 0.04, "fit_max_rel_err": 0.09, "points": 24},
@@ -23,6 +24,16 @@ replaces the topology's defaults where present::
       "optimizer_step_overhead_us": 900.0,  # fixed cost of one optimizer step (framework bookkeeping)
       "sweeps": {...}                 # raw measurements (kept for the record; not read by the simulator)
     }
+
+``moesim calibrate`` fills ``sweeps`` with: ``stat`` (``median`` or ``p25``: the statistic of the
+timed repetitions the fits read), ``comm`` (nccl-tests rows: ``kind``, ``bytes`` per rank, ``ranks``,
+``time_s``, ``median_time_s``, ``p25_s``, ``min_s``, ``reps_s``, ``algbw_GBps``, ``busbw_GBps``,
+``fit_time_s`` = the simulator's time with the fitted link), ``links_by_kind`` (each collective
+fitted alone, a diagnostic), ``gemm`` (``dtype``, ``m``, ``n``, ``k``, ``time_s``, ``fit_time_s``),
+``attention``, ``memory``, ``launch``, ``optimizer``, ``spec`` (what was measured), ``job_wall_s``,
+``fit_wall_s`` and ``command``. ``hardware`` names the machine: ``device``, ``device_name``,
+``backend``, ``world_size``, ``threads_per_rank``, ``cpu_count``, ``host``, ``python``, ``torch``,
+``cuda``, ``topology`` (the cluster the link fit ran on) and ``scenarios`` (whose shapes were measured).
 
 Link classes replace the topology's link figures (:func:`apply_link_calibration`, called by
 ``sim.simulate``): ``intra`` the ``intra`` links (NVLink/NVSwitch, PCIe switch, shared memory),
