@@ -1,5 +1,6 @@
 """The fits of ``moesim calibrate`` (:mod:`hw_validate.calibrate`): microbenchmark results ->
-:class:`sim.calibration.Calibration`, each through the simulator's own formula."""
+:class:`sim.calibration.Calibration`, each through the simulator's own formula; and the human
+report of a calibration (:func:`format_report`)."""
 
 from __future__ import annotations
 
@@ -277,3 +278,52 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
         },
     )
     return CalibrationRun(cal, raw, report)
+
+
+def _us(x: float | None) -> str:
+    return "-" if x is None else f"{x * 1e6:.1f}"
+
+
+def format_report(cal: Calibration) -> str:
+    """Human summary: the nccl-tests-style table (time = the statistic the fit used, algbw and busbw
+    from it; the lower quartile; the fitted model's time) and every fitted number with its error."""
+    hw = cal.hardware
+    stat = cal.sweeps.get("stat", "median")
+    lines = [
+        f"calibration of {hw.get('device_name')} x {hw.get('world_size')} ranks ({hw.get('backend')}, "
+        f"{hw.get('threads_per_rank')} threads per rank, torch {hw.get('torch')}, host {hw.get('host')})"
+    ]
+    comm = cal.sweeps.get("comm") or []
+    if comm:
+        lines.append(f"# time = {stat} of the repetitions (the slowest rank's, each); GB/s = 1e9 B/s")
+        lines.append(f"# {'collective':<11} {'size (B)':>10} {'time (us)':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
+                     f" {'p25 (us)':>9} {'model (us)':>10}")  # fmt: skip
+        for r in comm:
+            lines.append(
+                f"  {r['kind']:<11} {r['bytes']:>10d} {_us(r['time_s']):>10} {r['algbw_GBps']:>11.3f} "
+                f"{r['busbw_GBps']:>11.3f} {_us(r.get('p25_s')):>9} {_us(r.get('fit_time_s')):>10}"
+            )
+    for cls, f in cal.links.items():
+        lines.append(
+            f"link {cls}: alpha {f.alpha_us:.2f} us per link, bw {f.bw_GBps:.3f} GB/s; fit error median "
+            f"{100 * (f.fit_rel_err or 0):.1f}%, max {100 * (f.fit_max_rel_err or 0):.1f}% over {f.points} sizes"
+        )
+    for kind, f in (cal.sweeps.get("links_by_kind") or {}).items():
+        lines.append(f"  ({kind} alone: alpha {f['alpha_us']:.2f} us, bw {f['bw_GBps']:.3f} GB/s, "
+                     f"max error {100 * (f.get('fit_max_rel_err') or 0):.1f}%)")  # fmt: skip
+    for d, g in cal.gemm.items():
+        lines.append(
+            f"GEMM {d}: peak {g.peak_TFLOPs * 1e3:.2f} GFLOP/s, m_half {g.m_half:.1f}, nk_half {g.nk_half:.1f}; "
+            f"fit error median {100 * (g.fit_rel_err or 0):.1f}%, max {100 * (g.fit_max_rel_err or 0):.1f}% "
+            f"over {g.points} shapes"
+        )
+
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    lines.append(
+        f"memory {num(cal.hbm_bw_GBps, '.2f')} GB/s, kernel launch {num(cal.kernel_launch_us, '.2f')} us, "
+        f"attention efficiency {num(cal.attention_efficiency, '.3f')}, optimizer "
+        f"{num(cal.optimizer_bytes_per_param, '.1f')} B/param + {num(cal.optimizer_step_overhead_us, '.0f')} us per step"
+    )
+    return "\n".join(lines)
