@@ -297,7 +297,7 @@ def build_schedule(
     counts = count_params(m)
     head = (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size) + counts.norms - sum(p.norms for p in lp)
     emb = counts.embedding + counts.norms - sum(p.norms for p in lp) - head  # input table (+ tied head)
-    overlap = s.collectives.overlap_comm
+    overlap = s.collectives.overlap_comm and s.topology.gpu.async_comm  # CPU ranks: no comm stream
     for micro in range(micros):
         reduce_now = (stage >= 2) or (stage == 1 and micro == micros - 1)
         layer_keys = [("layer", micro, "fwd", i) for i in range(m.num_layers)]

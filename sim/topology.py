@@ -36,6 +36,12 @@ class GpuSpec(StrictModel):
     hbm_bw_GBps: float = Field(gt=0, le=_BIG, description="memory bandwidth, GB/s (1e9 B/s)")
     hbm_GiB: float = Field(gt=0, le=_BIG, description="usable device memory, GiB")
     kernel_launch_us: float = Field(default=4.0, ge=0, le=_BIG, description="fixed cost per kernel, us")
+    async_comm: bool = Field(
+        default=True,
+        description="collectives run on their own stream, concurrently with compute (CUDA streams); "
+        "false for CPU ranks, where DeepSpeed's overlap_comm has no stream to overlap on and every "
+        "gradient reduction blocks the backward",
+    )
 
     @model_validator(mode="after")
     def _positive_peaks(self) -> GpuSpec:
