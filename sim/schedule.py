@@ -5,10 +5,10 @@ Every rank runs the same op sequence; only durations differ from rank to rank (i
 counts, stragglers), so an op holds a ``(world,)`` array of seconds. Per micro-batch and layer:
 
 forward   ``attention`` (norm, QKV/out GEMMs, attention core) | MoE: ``route`` (norm, router GEMM,
-          top-k), ``permute`` (DeepSpeed's capacity einsum ``sec,sm->ecm``: 2 S E C d FLOPs, or the
-          dropless gather), all-to-all ``dispatch``, ``experts`` (grouped GEMMs over the rows each
-          local expert really receives), all-to-all ``combine``, ``unpermute`` (``sec,ecm->sm``, or
-          the weighted scatter), ``shared_experts`` | dense: ``mlp``.
+          top-k), ``permute`` (DeepSpeed's sparse routes: a gather of S
+          tokens into E x C slots, memory bound; or the dropless gather), all-to-all ``dispatch``, ``experts`` (grouped GEMMs over the rows each
+          local expert really receives), all-to-all ``combine``, ``unpermute`` (gather of the k S
+          routes back and their gate-weighted sum, or the weighted scatter), ``shared_experts`` | dense: ``mlp``.
 backward  mirrored in reverse: GEMMs cost their input-gradient plus weight-gradient GEMMs (about
           twice the forward FLOPs), the attention core 2.5x forward (FlashAttention-2's backward),
           the all-to-alls again (gradient of combine runs in the dispatch direction, gradient of
@@ -47,6 +47,10 @@ from sim.modelspec import count_params, layer_params
 from sim.routing import RoutingPlan
 from sim.scenario import Scenario
 
+#: Eager ops (forward, backward) of DeepSpeed's (0.19.x) sparse-route encode and decode
+#: (``_route_slots`` + ``_sparse_encode``; ``_sparse_decode``), counted from the code.
+PERMUTE_OPS = (10, 4)
+UNPERMUTE_OPS = (6, 8)
 #: FlashAttention-2 backward: 5 matmuls against the forward's 2, i.e. 2.5x the forward FLOPs.
 ATTENTION_BWD_FACTOR = 2.5
 COMPUTE_NAMES = (
@@ -204,14 +208,20 @@ class _Builder:
                 act = self._mem(rows[:, e] * width * bpe * (3 if m.ffn_type == "gated" else 2))
                 f, b, fl = f + fe + act, b + be + 2 * act, fl + fle
             return f, b, fl
-        if plan.padded is not None:  # DeepSpeed einsum dispatch / combine over E x C slots
+        if plan.padded is not None:  # DeepSpeed's sparse routes into / out of E x C slots
             c = np.repeat(plan.padded[moe, micro].astype(np.float64), self.s.ep)
-            slots = m.num_experts * c
-            if name == "permute":  # sec,sm->ecm : [E*C, S] @ [S, d]; backward: input gradient only
-                f = self._gemm_rows(slots, d, T)
-                return f, f, 2.0 * slots * d * T
-            f = self._gemm_rows(np.full(self.world, float(T)), d, slots)  # sec,ecm->sm
-            return f, 2 * f, 2.0 * slots * d * T
+            slots, k = m.num_experts * c, float(m.top_k)
+            if name == "permute":
+                # _sparse_encode: slot map (scatter), cat of a zero pad row (S d), index_select of
+                # E C rows; backward: index_add of E C rows into zeros, slice of the pad
+                f = self._mem((2 * T + 2 * slots) * d * bpe, kernels=PERMUTE_OPS[0])
+                b = self._mem((2 * T + 3 * slots) * d * bpe, kernels=PERMUTE_OPS[1])
+                return f, b, np.zeros(self.world)
+            # _sparse_decode: cat a pad row (E C d), index_select k S rows, multiply by the gates,
+            # sum over the k routes; backward: the mirror plus the gate gradient (mul + sum)
+            f = self._mem((2 * slots + 5 * k * T + T) * d * bpe, kernels=UNPERMUTE_OPS[0])
+            b = self._mem((3 * slots + 7 * k * T) * d * bpe, kernels=UNPERMUTE_OPS[1])
+            return f, b, np.zeros(self.world)
         copies = plan.kept[moe, micro].sum(axis=1).astype(np.float64)  # token copies this rank sends
         gathered = self._mem(2 * copies * d * bpe)  # permute: gather rows; unpermute: weighted scatter
         return gathered, gathered, np.zeros(self.world)
