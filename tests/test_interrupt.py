@@ -103,10 +103,16 @@ def test_main_returns_130_on_a_real_sigint_mid_run(tmp_path, monkeypatch, capsys
         return plan
 
     monkeypatch.setattr(sim.routing, "route_scenario", route_then_sigint)
+    # Python's own Ctrl-C handler, even when this test process was started with SIGINT ignored
+    # (a background job of a non-interactive shell, nohup): what an interactive user has
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     out = tmp_path / "out.json"
     out.write_text(OLD)
-    rc = main(["simulate", str(BIG), "--set", "cluster.nodes=2", "--set", "model.num_layers=2",
-               "--json", str(out)])  # fmt: skip
+    try:
+        rc = main(["simulate", str(BIG), "--set", "cluster.nodes=2", "--set", "model.num_layers=2",
+                   "--json", str(out)])  # fmt: skip
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert rc == 130
     assert "interrupted" in capsys.readouterr().err
     assert out.read_text() == OLD and _names(tmp_path) == ["out.json"]
