@@ -51,6 +51,13 @@ from sim.scenario import Scenario
 #: (``_route_slots`` + ``_sparse_encode``; ``_sparse_decode``), counted from the code.
 PERMUTE_OPS = (10, 4)
 UNPERMUTE_OPS = (6, 8)
+#: Eager ops (forward, backward) of DeepSpeed's (0.19.8) ``TopKGate.forward`` with sparse routes,
+#: less the router GEMM (priced as one) and view-only ops (view, permute, t, detach, unsqueeze, ...):
+#: aten ops dispatched by the real gate (``top1gating`` / ``top2gating`` / ``topkgating``), counted with
+#: a TorchDispatchMode at 256 tokens, 8 experts (the counts do not depend on the sizes). Keyed by
+#: (k if k <= 2 else "k", drop_tokens): the dropless gate skips the capacity masks.
+GATE_OPS = {(1, True): (48, 7), (1, False): (49, 7), (2, True): (91, 39), (2, False): (71, 39),
+            ("k", True): (43, 22), ("k", False): (35, 22)}  # fmt: skip
 #: FlashAttention-2 backward: 5 matmuls against the forward's 2, i.e. 2.5x the forward FLOPs.
 ATTENTION_BWD_FACTOR = 2.5
 COMPUTE_NAMES = (
@@ -191,8 +198,13 @@ class _Builder:
             return f, b, fl
         if name == "route":
             f, b, fl = self._gemms([router_gemm(m)], T)
-            topk = self._mem(3 * T * m.num_experts * 4, kernels=3)  # softmax/sigmoid, top-k, aux loss
-            return f + norm + topk, b + 2 * norm + topk, fl
+            r = self.s.routing
+            drop = not (r.dispatch == "dropless" or r.capacity_factor is None)
+            ops_f, ops_b = GATE_OPS[(m.top_k if m.top_k <= 2 else "k", drop)]
+            # softmax, top-k, masks, cumsum, aux loss over [S, E]: each op one eager launch
+            topk_f = self._mem(3 * T * m.num_experts * 4, kernels=ops_f)
+            topk_b = self._mem(3 * T * m.num_experts * 4, kernels=ops_b)
+            return f + norm + topk_f, b + 2 * norm + topk_b, fl
         if name == "output":
             f, b, fl = self._gemms([lm_head_gemm(m)], T)
             ce = self._mem(2 * T * m.vocab_size * 4, kernels=2)

@@ -242,10 +242,15 @@ def test_vectorised_group_streams_equal_one_process_per_rank(extra):
     sched = build_schedule(s, plan, cost_model(s), np.ones(s.world_size))
     a = Engine(s, sched, plan, _cluster(s), "ps", trace_ranks={0, 9}).run()
     b = Engine(s, sched, plan, _cluster(s), "ps", trace_ranks={0, 9}, per_rank=True).run()
-    assert a.step_time_s == b.step_time_s
+    # the same events in the same order; sums of the same times may differ in the last bit, as the
+    # vectorised path adds a group's clocks as arrays and the per-rank one as scalars
+    assert a.step_time_s == pytest.approx(b.step_time_s, rel=1e-12)
     for k in STREAM_KEYS:
         np.testing.assert_allclose(a.by_key[k], b.by_key[k], rtol=1e-12, atol=1e-15)
-    assert [(x.rank, x.name, x.start, x.end) for x in a.spans] == [(x.rank, x.name, x.start, x.end) for x in b.spans]
+    sa = [(x.rank, x.name) for x in a.spans]
+    assert sa == [(x.rank, x.name) for x in b.spans]
+    np.testing.assert_allclose([(x.start, x.end) for x in a.spans], [(x.start, x.end) for x in b.spans],
+                               rtol=1e-12, atol=1e-15)  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
