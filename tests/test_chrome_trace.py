@@ -116,11 +116,12 @@ def test_flow_events_point_from_the_last_arrival_to_waiting_peers(traced):
     starts = {e["id"]: e for e in flows if e["ph"] == "s"}
     finishes = {e["id"]: e for e in flows if e["ph"] == "f"}
     assert set(starts) == set(finishes) and len(starts) == len(flows) // 2
-    waits = {(sp.rank, sp.end) for sp in spans if sp.name == "imbalance_wait"}
-    a2a = {(sp.rank, sp.start) for sp in spans if sp.name in ("dispatch", "combine")}
+    # in microseconds as the trace writes them (x * 1e6 / 1e6 need not give x back)
+    waits = {(sp.rank, sp.end * 1e6) for sp in spans if sp.name == "imbalance_wait"}
+    a2a = {(sp.rank, sp.start * 1e6) for sp in spans if sp.name in ("dispatch", "combine")}
     for fid, f in finishes.items():
         st = starts[fid]
-        ts = f["ts"] / 1e6
+        ts = f["ts"]
         assert f["bp"] == "e" and st["ts"] == f["ts"]
         assert (f["args"]["rank"], ts) in waits  # the target waited up to the barrier
         src = st["args"]["last_arrival"]
