@@ -34,7 +34,6 @@ import math
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -48,7 +47,7 @@ import numpy as np
 
 from hw_validate.calibrate_fit import STATS, CalibrationRun, bench_cluster, fit_all, format_report
 from hw_validate.diagnose import cause_of
-from hw_validate.launch import JobError, free_port
+from hw_validate.launch import JobError, free_port, launcher_head, stop_group
 from sim.calibration import save_calibration
 from sim.errors import InputError
 
@@ -162,15 +161,6 @@ def build_spec(
 
 
 # ---- running the job ------------------------------------------------------------------------------
-def _launcher_head(launcher: str, nproc: int, port: int) -> list[str]:
-    if launcher == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
-                "--master_addr", "127.0.0.1", "--master_port", str(port)]  # fmt: skip
-    if launcher == "deepspeed":
-        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(port)]
-    raise InputError(f"unknown launcher '{launcher}'; use one of {', '.join(LAUNCHERS)}", field="--launcher")
-
-
 def _pump(stream, log_path: Path, echo: bool, tail: deque) -> None:
     """Copy the job's output to its log (and to our stderr), in raw chunks so tqdm's bar redraws."""
     with stream, open(log_path, "wb") as log:
@@ -187,19 +177,6 @@ def _pump(stream, log_path: Path, echo: bool, tail: deque) -> None:
                     sys.stderr.flush()
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=5)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def run_microbench(
     spec: dict[str, Any],
     nproc: int,
@@ -214,7 +191,7 @@ def run_microbench(
     work = Path(tempfile.mkdtemp(prefix="moesim-calibrate-", dir=work_dir))
     spec_path, out_path, log_path = work / "spec.json", work / "result.json", work / "job.log"
     spec_path.write_text(json.dumps(spec))
-    cmd = [*_launcher_head(launcher, nproc, free_port()), str(MICROBENCH), "--spec", str(spec_path), "--out", str(out_path)]
+    cmd = [*launcher_head(launcher, nproc, free_port()), str(MICROBENCH), "--spec", str(spec_path), "--out", str(out_path)]
     env = dict(os.environ)
     root = str(HERE.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -228,7 +205,7 @@ def run_microbench(
     try:
         rc = proc.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _stop(proc)
+        stop_group(proc)
         pump.join(timeout=5)
         raise JobError(
             f"calibration job timed out after {timeout_s:g} s ({nproc} ranks, {launcher}; "
@@ -236,7 +213,7 @@ def run_microbench(
             run_dir=work,
         ) from None
     except BaseException:
-        _stop(proc)
+        stop_group(proc)
         raise
     pump.join(timeout=10)
     if rc != 0 or not out_path.is_file():

@@ -93,17 +93,21 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def build_command(launcher: str, nproc: int, script_args: list[str], master_port: int) -> list[str]:
-    """The launcher command line: every rank runs ``rankwrap.py train_moe.py SCRIPT_ARGS``."""
+def launcher_head(launcher: str, nproc: int, master_port: int) -> list[str]:
+    """The launcher's part of the command line, for ``nproc`` ranks on this host."""
     if launcher == "deepspeed":
-        head = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(master_port)]
-    elif launcher == "torchrun":
-        head = [
+        return [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", str(nproc), "--master_port", str(master_port)]
+    if launcher == "torchrun":
+        return [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(nproc),
             "--master_addr", "127.0.0.1", "--master_port", str(master_port),
         ]  # fmt: skip
-    else:
-        raise InputError(f"unknown launcher '{launcher}'; use one of {', '.join(LAUNCHERS)}", field="--launcher")
+    raise InputError(f"unknown launcher '{launcher}'; use one of {', '.join(LAUNCHERS)}", field="--launcher")
+
+
+def build_command(launcher: str, nproc: int, script_args: list[str], master_port: int) -> list[str]:
+    """The launcher command line: every rank runs ``rankwrap.py train_moe.py SCRIPT_ARGS``."""
+    head = launcher_head(launcher, nproc, master_port)
     return [*head, str(WRAPPER), str(TRAIN_SCRIPT), *script_args]
 
 
@@ -121,7 +125,7 @@ def _pump(stream, log_path: Path, echo: bool, keep: collections.deque) -> None:
                     pass
 
 
-def _stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
+def stop_group(proc: subprocess.Popen, grace_s: float = 5.0) -> None:
     """SIGTERM the job's process group (the one this function's caller started), then SIGKILL."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, grace_s)):
         try:
@@ -221,13 +225,13 @@ def run_job(
             _dump_stacks(read_states(staging, nproc))
             time.sleep(2.0)
             states = read_states(staging, nproc, n_lines=25)
-            _stop_group(proc)
+            stop_group(proc)
             pump.join(timeout=5)
             failed = _keep_failed(staging, out)
             rank, msg = explain_timeout(states, why, failed)
             raise JobError(msg, rank=rank, run_dir=failed, returncode=None)
     except BaseException:
-        _stop_group(proc)
+        stop_group(proc)
         raise
     pump.join(timeout=10)
     wall = time.monotonic() - t0

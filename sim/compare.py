@@ -64,7 +64,7 @@ def effective_policy(s: Scenario, text: str | None) -> tuple[str | None, str | N
     groups one EP group spans limits nothing, so it runs as M = that number (the same selection as
     topk) with a note saying so -- a comparison over M = 1, 2, 4 stays one command on a scenario whose
     EP group spans 2 nodes. Everything else is checked as usual by RoutingPolicy.resolve."""
-    from sim.routing_policy import ExpertLayout, _group_size
+    from sim.routing_policy import group_shape
 
     if text is None or not s.model.num_moe_layers:
         return text, None
@@ -74,7 +74,7 @@ def effective_policy(s: Scenario, text: str | None) -> tuple[str | None, str | N
         return text, None  # resolve() reports it
     if name == "topk" or m is None:
         return text, None
-    groups = s.model.num_experts // _group_size(name, ExpertLayout.of(s), "--policy")
+    _, groups = group_shape(s, name, "--policy")
     if m <= groups:
         return text, None
     word = "nodes" if name == "node_limited" else "devices"
@@ -156,7 +156,7 @@ def run_compare(
             progress(i, len(loaded), c)
         r = row(c, simulate(s, engine=engine, comm_model=comm_model, policy=policy, healthy=False))
         if note:
-            r["policy"] = case_label(Case(c.policy, c.overrides, c.values, c.healthy), {"policy": c.policy})
+            r["policy"] = case_label(c, {"policy": c.policy})  # the M asked for, not the one run
             r["note"] = note
         rows.append(r)
     first = rows[0]["step_time_s"]

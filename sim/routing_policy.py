@@ -92,9 +92,7 @@ class RoutingPolicy:
                 raise InputError(f"policy {name} needs M, e.g. {name}:M=2", field=field)
         if name == "topk":
             return cls("topk", None, None)
-        layout = ExpertLayout.of(scenario)
-        size = _group_size(name, layout, field)
-        groups = layout.num_experts // size
+        size, groups = group_shape(scenario, name, field)
         k = scenario.model.top_k
         assert m is not None
         if m > groups:
@@ -109,6 +107,13 @@ class RoutingPolicy:
                 field=field,
             )
         return cls(name, m, size)
+
+
+def group_shape(scenario: Scenario, name: str, field: str = "routing.policy") -> tuple[int, int]:
+    """(experts per group, groups one EP group spans) of the group-limited policy ``name``."""
+    layout = ExpertLayout.of(scenario)
+    size = _group_size(name, layout, field)
+    return size, layout.num_experts // size
 
 
 def _group_size(name: str, layout: ExpertLayout, field: str) -> int:
@@ -164,4 +169,4 @@ def _topk_indices(values: np.ndarray, k: int, ordered: bool = False) -> np.ndarr
     return idx
 
 
-__all__ = ["ExpertLayout", "RoutingPolicy", "select_experts", "topk_mass"]
+__all__ = ["ExpertLayout", "RoutingPolicy", "group_shape", "select_experts", "topk_mass"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from sim.cli.common import add_json_argument, add_scenario_arguments
+from sim.cli.common import add_engine_arguments, add_force_argument, add_json_argument, add_scenario_arguments
 from sim.errors import InputError
 from sim.ioutil import write_json
 
@@ -32,13 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--healthy", action="store_true",
                         help="for a scenario with faults: add a row with the faults removed after each case")  # fmt: skip
-    parser.add_argument("--engine", choices=("des", "analytic"), default="des", help="simulation engine (default des)")
-    parser.add_argument("--comm-model", choices=("auto", "flow", "ps"), default="auto",
-                        help="comm model of the des engine (default auto)")  # fmt: skip
+    add_engine_arguments(parser)
     parser.add_argument("--plot", metavar="PNG", help="grouped bars: step time split, inter-node bytes, load, gate mass")
     parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
-    parser.add_argument("--force", action="store_true",
-                        help="run cases the resource guard estimates would exhaust this machine")  # fmt: skip
+    add_force_argument(parser, "cases")
     add_json_argument(parser)
 
 

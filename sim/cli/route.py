@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from sim.cli.common import add_json_argument, add_scenario_arguments, scenario_from_args
+from sim.cli.common import add_force_argument, add_json_argument, add_scenario_arguments, scenario_from_args
 from sim.errors import InputError
 from sim.guard import check_resources
 from sim.ioutil import write_json
@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="exact: every token sampled; pooled: counts drawn from an exact pool (fast); auto: exact while small",
     )
     parser.add_argument("--plot", metavar="PNG", help="write the traffic heatmap and expert-load histogram")
-    parser.add_argument("--force", action="store_true", help="run even if the resource guard estimates it would exhaust this machine")
+    add_force_argument(parser)
     add_json_argument(parser)
 
 

@@ -7,7 +7,13 @@ import sys
 import time
 from typing import Any
 
-from sim.cli.common import add_json_argument, add_scenario_arguments, scenario_from_args
+from sim.cli.common import (
+    add_engine_arguments,
+    add_force_argument,
+    add_json_argument,
+    add_scenario_arguments,
+    scenario_from_args,
+)
 from sim.errors import InputError
 from sim.guard import check_resources
 from sim.ioutil import write_json
@@ -15,19 +21,7 @@ from sim.ioutil import write_json
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scenario_arguments(parser)
-    parser.add_argument(
-        "--engine",
-        choices=("des", "analytic"),
-        default="des",
-        help="des: the SimPy discrete-event engine (default); analytic: closed-form mean-field estimate",
-    )
-    parser.add_argument(
-        "--comm-model",
-        choices=("auto", "flow", "ps"),
-        default="auto",
-        help="flow: every transfer through the max-min network (exact, slow); ps: processor-sharing "
-        "timing per launch (fast); auto: flow up to 8 GPUs, ps above (default)",
-    )
+    add_engine_arguments(parser)
     parser.add_argument("--policy", metavar="P", help="override routing.policy: topk, node_limited:M=2, ...")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace-event JSON of the step")
     parser.add_argument("--trace-flows", action="store_true",
@@ -38,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks in the trace (default: every rank up to 64 GPUs, else the first two nodes)",
     )
     parser.add_argument("--plot", metavar="DIR", help="write breakdown and per-rank PNGs into DIR")
-    parser.add_argument("--force", action="store_true", help="run even if the resource guard estimates it would exhaust this machine")
+    add_force_argument(parser)
     add_json_argument(parser)
 
 

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sim.cli.common import add_json_argument, add_scenario_arguments
+from sim.cli.common import add_engine_arguments, add_force_argument, add_json_argument, add_scenario_arguments
 from sim.errors import InputError
 from sim.ioutil import write_json
 
@@ -34,9 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="parallel runs (default: the CPU count; 1 runs in this process)")  # fmt: skip
     parser.add_argument("--address", metavar="ADDR",
                         help="with --backend ray: join this Ray cluster (auto, ray://host:10001)")  # fmt: skip
-    parser.add_argument("--engine", choices=("des", "analytic"), default="des", help="simulation engine (default des)")
-    parser.add_argument("--comm-model", choices=("auto", "flow", "ps"), default="auto",
-                        help="comm model of the des engine (default auto)")  # fmt: skip
+    add_engine_arguments(parser)
     parser.add_argument("--jsonl", metavar="PATH",
                         help="run log to append to and resume from (default: --json's path with .jsonl, "
                         "else runs/sweep-<scenario>-<hash>.jsonl)")  # fmt: skip
@@ -46,8 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the --vary key on the plot's x axis (default cluster.nodes if varied, "
                         "else the first numeric one)")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    parser.add_argument("--force", action="store_true",
-                        help="run points the resource guard estimates would exhaust this machine")  # fmt: skip
+    add_force_argument(parser, "points")
     add_json_argument(parser)
 
 
