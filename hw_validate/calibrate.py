@@ -17,7 +17,9 @@ measurements when the simulator uses them:
   autograd -- over the scenarios' activation sizes, with the launch cost fixed), ``kernel_launch_us``
   (a tiny op recorded by autograd), ``attention_efficiency`` (scaled_dot_product_attention forward
   and backward against the fitted GEMM peak), ``optimizer_bytes_per_param`` and
-  ``optimizer_step_overhead_us`` (torch Adam on flat fp32 partitions of the scenarios' sizes).
+  ``optimizer_step_overhead_us`` (DeepSpeed's ``engine.step()`` under the scenarios' ZeRO stage, its
+  collectives taken off, with each rank stepping the scenarios' partition sizes; torch Adam on flat
+  fp32 partitions when DeepSpeed is not installed).
 
 Every item is timed in repetitions; the fits read the median (``stat="p25"``: the lower
 quartile). Raw measurements (the nccl-tests-style table with algbw/busbw among them, each row's
@@ -74,6 +76,7 @@ def scenario_shapes(paths: list[str | Path], accelerator: str = "cpu") -> dict[s
     attention: set[tuple[int, int, int, int]] = set()
     act: set[int] = set()
     opt: set[int] = set()
+    stages: list[int] = []
     dtypes: set[str] = set()
 
     class Recording(CostModel):
@@ -102,11 +105,14 @@ def scenario_shapes(paths: list[str | Path], accelerator: str = "cpu") -> dict[s
         t = s.tokens_per_micro_batch
         act.update({t * m.hidden_size, t * (m.moe_ffn_hidden_size or m.hidden_size)})
         opt.add(int(sched.stats["optimizer_params_per_rank"]))
+        stages.append(int(s.parallelism.zero_stage))
     return {
         "gemm": sorted(gemms),
         "attention": sorted(attention),
         "activation_elements": sorted(act),
         "optimizer_params": sorted(opt),
+        # the stage most of the scenarios use (ties: the higher); the optimizer is timed under it
+        "zero_stage": max(set(stages), key=lambda z: (stages.count(z), z)) if stages else None,
         "dtypes": sorted(dtypes),
     }
 
@@ -118,6 +124,26 @@ def _thin(shapes: list[tuple[int, int, int]], limit: int) -> list[tuple[int, int
     order = sorted(shapes, key=lambda s: (s[0] * s[1] * s[2], s))
     idx = np.unique(np.round(np.linspace(0, len(order) - 1, limit)).astype(int))
     return [order[i] for i in idx]
+
+
+def _spread(values: list[int], limit: int) -> list[int]:
+    """At most ``limit`` of the sorted ``values``, evenly spaced in log (keeps the smallest and largest)."""
+    if len(values) <= limit:
+        return values
+    logs = np.log(np.asarray(values, dtype=np.float64))
+    picks = {int(np.argmin(np.abs(logs - g))) for g in np.linspace(logs[0], logs[-1], limit)}
+    return [values[i] for i in sorted(picks)]
+
+
+def optimizer_spec(zero_stage: int | None) -> dict[str, Any]:
+    """How the microbenchmark times the optimizer step: DeepSpeed's own ``engine.step()`` under the
+    scenarios' ZeRO stage (default 2) when DeepSpeed is installed -- what the training job runs --
+    else torch Adam on a flat partition (which this VM's ZeRO-2 step exceeds by ~3x)."""
+    import importlib.util
+
+    if importlib.util.find_spec("deepspeed") is None:
+        return {"impl": "torch"}
+    return {"impl": "deepspeed", "zero_stage": 2 if zero_stage is None else int(zero_stage)}
 
 
 def build_spec(
@@ -138,6 +164,9 @@ def build_spec(
     mem = sorted({int(a) for a in act} | {max(1024, min(act) // 4), max(act) * 4})
     opt = shapes.get("optimizer_params") or [400_000]
     opt_sizes = sorted({max(1000, int(p * f)) for p in opt for f in ((0.5, 2.0) if quick else (0.25, 1.0, 4.0))})
+    optimizer = optimizer_spec(shapes.get("zero_stage"))
+    if optimizer["impl"] == "deepspeed":  # an engine per size (~2-5 s each): spread over the range
+        opt_sizes = _spread(opt_sizes, 3 if quick else 6)
     return {
         "backend": backend,
         "dtypes": list(shapes.get("dtypes") or (["bf16"] if gpu else ["fp32"])),
@@ -150,6 +179,7 @@ def build_spec(
         "memory_ops": ["add", "gelu", "layer_norm", "softmax"],
         "launch_ops": 500 if quick else 2000,
         "optimizer_params": opt_sizes,
+        "optimizer": optimizer,
         "reps": 3 if quick else 7,
         "target_s": 0.004 if quick and not gpu else (0.002 if gpu else 0.02),
         # CPU ranks: compute items timed with cold caches (hw_validate/microbench.py): in the job the

@@ -35,6 +35,8 @@ Phases per step (seconds, summed over micro-batches and layers of one rank). The
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
@@ -95,6 +97,10 @@ class StepTimer:
         self.comm_bytes: dict[str, int] = defaultdict(int)
         self.comm_calls: dict[str, int] = defaultdict(int)
         self.async_calls = 0
+        # MOESIM_TIMING_SPANS=DIR: every step's raw spans (perf_counter seconds, one clock for all ranks of
+        # a host) go to DIR/rank-<r>.jsonl, to see per call who waited for whom (diagnosis, not a result)
+        self.span_dir = os.environ.get("MOESIM_TIMING_SPANS") or None
+        self._step_no = 0
 
     @property
     def clock(self) -> str:
@@ -129,10 +135,19 @@ class StepTimer:
         for phase, a, b in self._spans:
             dt = a.elapsed_time(b) / 1e3 if self.cuda else b - a
             out[phase] = out.get(phase, 0.0) + float(dt)
+        if self.span_dir and not self.cuda:
+            self._dump_spans()
         self._spans.clear()
         out["permute"] = max(0.0, out.pop("_pre_experts") - out["dispatch"])
         out["unpermute"] = max(0.0, out.pop("_post_experts") - out["combine"])
         return out
+
+    def _dump_spans(self) -> None:
+        rank = int(os.environ.get("RANK", "0"))
+        os.makedirs(self.span_dir, exist_ok=True)
+        with open(os.path.join(self.span_dir, f"rank-{rank}.jsonl"), "a") as f:
+            f.write(json.dumps({"step": self._step_no, "spans": [[p, a, b] for p, a, b in self._spans]}) + "\n")
+        self._step_no += 1
 
     @contextmanager
     def phase(self, name: str, region: str | None = None) -> Iterator[None]:

@@ -58,6 +58,12 @@ def test_cli_prints_table_and_fits_and_writes_a_loadable_file(quick):
         assert r["time_s"] == r["median_time_s"] >= r["p25_s"]  # the fit reads the median by default
     assert doc["out"] == str(out) and doc["links"]["intra"] == intra.model_dump(mode="json")
     assert doc["report"]["links"]["intra"]["bw_GBps"] == intra.bw_GBps
+    # the optimizer is DeepSpeed's own ZeRO step (the scenario's stage 2), its all-gather timed apart
+    opt = cal.sweeps["optimizer"]
+    assert len(opt) == 2 and [r["params"] for r in opt] == sorted(r["params"] for r in opt)
+    for r in opt:
+        assert r["impl"] == "deepspeed" and r["zero_stage"] == 2
+        assert r["time_s"] > 0 and r["comm_s"] > 0  # ZeRO-2 all-gathers the updated partitions
 
 
 @pytest.mark.slow
