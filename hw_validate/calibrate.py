@@ -172,7 +172,10 @@ def build_spec(
         "dtypes": list(shapes.get("dtypes") or (["bf16"] if gpu else ["fp32"])),
         "comm": {"kinds": ["all_to_all", "all_reduce"], "sizes": QUICK_COMM_SIZES if quick else COMM_SIZES,
                  # many short repetitions: a median (or quartile) that bursts of interference move little
-                 "reps": 9 if quick else 21, "target_s": 0.002 if quick else 0.005},
+                 "reps": 9 if quick else 21, "target_s": 0.002 if quick else 0.005,
+                 # blocking collectives (gloo): isolated calls after 1 ms of compute, as in the job
+                 # (microbench.Bench.time_collective); NCCL queues calls, so its loops are the job's case
+                 "gap_s": 0.0 if gpu else 0.001, "isolated_calls": 4 if quick else 8},
         "gemm": [list(s) for s in gemm],
         "attention": [list(a) for a in shapes.get("attention", [])] or [[4, 4, 64, 32]],
         "memory_elements": mem,
@@ -185,6 +188,11 @@ def build_spec(
         # CPU ranks: compute items timed with cold caches (hw_validate/microbench.py): in the job the
         # rest of a step evicts an op's operands before it runs again; tight warm loops read ~1.6x
         # (Experts forward) to 4x (GELU) too fast on this VM. Saturated by 32 MiB (2 to 128 MiB tried).
+        # rank-to-rank spread of identical compute (microbench.bench_noise): the waits at every
+        # all-to-all and blocking reduction of the job; CPU ranks only (on GPUs it is small and
+        # mostly launch jitter, which NCCL's queued calls absorb)
+        "noise": {"segments_s": [] if gpu else ([0.002, 0.008] if quick else [0.001, 0.003, 0.01]),
+                  "calls": 10 if quick else 30},
         "flush_bytes": 0 if gpu else 32 * 1024 * 1024,
         "cold_iters": 4,
     }

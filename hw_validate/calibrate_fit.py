@@ -167,6 +167,29 @@ def fit_optimizer(rows: list[dict], hbm_Bps: float) -> tuple[float, float]:
     return slope * hbm_Bps, c
 
 
+def fit_noise(rows: list[dict]) -> float | None:
+    """Relative standard deviation of one rank's compute-segment time (``compute_noise_cv``) from
+    :func:`hw_validate.microbench.bench_noise` rows, each annotated in place with its own ``cv``.
+
+    Per call, each rank's deviation from the ranks' mean time, ``d_r = t_r / mean(t) - 1``; for
+    independent normal noise of relative std ``s``, ``E|d_r| = s sqrt(2/pi) sqrt((W-1)/W)`` over
+    ``W`` ranks, so ``s = mean|d_r| / sqrt(2 (W-1) / (pi W))`` (2 ranks: ``sqrt(pi)/2 E|t0-t1| /
+    mean``). The mean absolute deviation is what the waits at a rendezvous follow; the fitted
+    value is the mean over the segment lengths (the spread is proportional to the segment on
+    the machines measured, so one relative figure serves every segment)."""
+    cvs = []
+    for r in rows:
+        t = np.asarray(r["per_rank_s"], dtype=np.float64)  # (ranks, calls)
+        world = t.shape[0]
+        if world < 2 or t.shape[1] == 0:
+            continue
+        d = np.abs(t / t.mean(axis=0, keepdims=True) - 1.0)
+        cv = float(d.mean() / math.sqrt(2.0 * (world - 1) / (math.pi * world)))
+        r["cv"] = cv
+        cvs.append(cv)
+    return float(np.mean(cvs)) if cvs else None
+
+
 def comm_table(rows: list[dict]) -> list[dict]:
     """nccl-tests-style rows: size, time, algbw, busbw (GB/s = 1e9 B/s)."""
     from sim.collectives_analytic import bandwidths_GBps
@@ -237,6 +260,8 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
         report["gemm"][dtype] = fit.model_dump()
     att = fit_attention(raw["attention"], {d: g.peak_TFLOPs * 1e12 for d, g in gemm.items()}, hbm_Bps, launch_s)
     bpp, overhead = fit_optimizer(raw["optimizer"], hbm_Bps) if raw["optimizer"] and hbm else (None, None)
+    noise_rows = raw.get("noise") or []
+    noise_cv = fit_noise(noise_rows)
     links: dict[str, LinkFit] = {}
     table = comm_table(raw["comm"])
     if raw["comm"]:
@@ -252,7 +277,7 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
             sub = [r for r in raw["comm"] if r["kind"] == kind]
             if len(sub) >= 2:
                 report["links_by_kind"][kind] = fit_link(cluster, sub, "intra")[0].model_dump()
-    report.update(attention_efficiency=att, optimizer_bytes_per_param=bpp,
+    report.update(attention_efficiency=att, optimizer_bytes_per_param=bpp, compute_noise_cv=noise_cv,
                   optimizer_step_overhead_us=overhead * 1e6 if overhead is not None else None)  # fmt: skip
     cal = Calibration(
         hardware={**hw, "topology": getattr(topology, "name", str(topology))},
@@ -263,6 +288,7 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
         links=links,
         optimizer_bytes_per_param=bpp,
         optimizer_step_overhead_us=overhead * 1e6 if overhead is not None else None,
+        compute_noise_cv=noise_cv,
         sweeps={
             "stat": stat,
             "comm": table,
@@ -272,6 +298,7 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
             "memory": raw["memory"],
             "launch": raw["launch"],
             "optimizer": raw["optimizer"],
+            "noise": noise_rows,
             "spec": {k: v for k, v in spec.items() if k != "gemm"},
             "wall_s": raw.get("wall_s"),
             "command": raw.get("command"),
@@ -295,7 +322,10 @@ def format_report(cal: Calibration) -> str:
     ]
     comm = cal.sweeps.get("comm") or []
     if comm:
-        lines.append(f"# time = {stat} of the repetitions (the slowest rank's, each); GB/s = 1e9 B/s")
+        gap = (cal.sweeps.get("spec") or {}).get("comm", {}).get("gap_s", 0.0)
+        how = (f"isolated calls after {gap * 1e3:g} ms of compute, the last-arriving rank's time"
+               if gap else "the slowest rank's, each")
+        lines.append(f"# time = {stat} of the repetitions ({how}); GB/s = 1e9 B/s")
         lines.append(f"# {'collective':<11} {'size (B)':>10} {'time (us)':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
                      f" {'p25 (us)':>9} {'model (us)':>10}")  # fmt: skip
         for r in comm:
@@ -326,4 +356,8 @@ def format_report(cal: Calibration) -> str:
         f"attention efficiency {num(cal.attention_efficiency, '.3f')}, optimizer "
         f"{num(cal.optimizer_bytes_per_param, '.1f')} B/param + {num(cal.optimizer_step_overhead_us, '.0f')} us per step"
     )
+    noise = cal.sweeps.get("noise") or []
+    if cal.compute_noise_cv is not None:
+        each = ", ".join(f"{r['segment_s'] * 1e3:g} ms {r['cv']:.3f}" for r in noise if "cv" in r)
+        lines.append(f"compute noise: cv {cal.compute_noise_cv:.3f} of a rank's segment time" + (f" ({each})" if each else ""))
     return "\n".join(lines)

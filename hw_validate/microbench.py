@@ -15,7 +15,8 @@ Launched by :mod:`hw_validate.calibrate` (``moesim calibrate``) with ``torchrun`
      "launch_ops": 2000,
      "optimizer_params": [100000, 1000000], "optimizer": {"impl": "deepspeed", "zero_stage": 2},
      "reps": 5, "target_s": 0.02,
-     "flush_bytes": 33554432, "cold_iters": 4}      # optional: cold-cache compute timing
+     "flush_bytes": 33554432, "cold_iters": 4,      # optional: cold-cache compute timing
+     "noise": {"segments_s": [0.001, 0.004], "calls": 20}}  # optional: rank-to-rank compute spread
 
 Cold caches (``flush_bytes`` > 0, what ``moesim calibrate`` asks for on CPU ranks): every timed GEMM
 and optimizer step is preceded by a read of a buffer larger than the last-level cache, because in
@@ -115,6 +116,25 @@ class Bench:
             total += time.perf_counter() - t0
         return total / iters
 
+    def _time_isolated(self, fn, reps: int, gap_s: float) -> list[float]:
+        calls = max(1, int(self.spec.get("comm", {}).get("isolated_calls", 8)))
+        fn()
+        out = []
+        for _ in range(reps):
+            mine = []
+            for _ in range(calls):
+                dist.barrier()
+                _spin(gap_s)
+                self.sync()
+                t0 = time.perf_counter()
+                fn()
+                self.sync()
+                mine.append(time.perf_counter() - t0)
+            t = torch.tensor(mine, dtype=torch.float64, device=self.device)
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+            out.append(float(t.mean().item()))
+        return out
+
     def iters_for(self, fn, agree: bool = False, target_s: float | None = None) -> int:
         """Iterations per repetition so that one lasts ``target_s``; ``agree``: the same on every rank."""
         fn()
@@ -140,9 +160,21 @@ class Bench:
         dist.barrier()
         return stats(times)
 
-    def time_collective(self, fn, reps: int | None = None, target_s: float | None = None) -> list[float]:
+    def time_collective(self, fn, reps: int | None = None, target_s: float | None = None,
+                        gap_s: float = 0.0) -> list[float]:  # fmt: skip
         """The slowest rank's seconds per call in each of ``reps`` repetitions (nccl-tests style:
-        every repetition starts at a barrier, and its time is the MAX over ranks)."""
+        every repetition starts at a barrier, and its time is the MAX over ranks).
+
+        ``gap_s`` > 0 (blocking backends, gloo): isolated calls instead of a back-to-back loop. Each
+        call starts at a barrier followed by ``gap_s`` of busy compute on every rank, as a call in
+        the training job follows the layer's compute; its time is the MIN over ranks of the time
+        inside the call -- the last rank to arrive waits for nobody, so that is the collective's
+        own cost, while the earlier ranks' extra time is waiting (the simulator's rendezvous).
+        Measured on this VM (2 ranks): a 256 KiB all_to_all takes 0.23 ms a call in a loop, where
+        gloo's calls pipeline, and ~0.5 ms isolated after 1 ms of compute (0.54-0.84 ms inside
+        the e8-top1-t512 job from the last arrival to the first exit)."""
+        if gap_s > 0:
+            return self._time_isolated(fn, reps or self.reps, gap_s)
         iters = self.iters_for(fn, agree=True, target_s=target_s)
         out = []
         for _ in range(reps or self.reps):
@@ -152,6 +184,12 @@ class Bench:
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             out.append(float(t.item()))
         return out
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def bench_comm(b: Bench, world: int, progress) -> list[dict]:
@@ -174,7 +212,7 @@ def bench_comm(b: Bench, world: int, progress) -> list[dict]:
                     dist.all_reduce(x)
             else:
                 raise ValueError(f"unknown collective {kind}")
-            reps = b.time_collective(fn, int(c.get("reps", b.reps)), c.get("target_s"))
+            reps = b.time_collective(fn, int(c.get("reps", b.reps)), c.get("target_s"), float(c.get("gap_s", 0.0)))
             rows.append({"kind": kind, "bytes": n * 4, "ranks": world, "time_s": statistics.median(reps),
                          "p25_s": stats(reps)[1],
                          "min_s": min(reps), "reps_s": reps})  # fmt: skip
@@ -366,12 +404,60 @@ def bench_optimizer_deepspeed(b: Bench, progress, zero_stage: int) -> list[dict]
     return rows
 
 
+def bench_noise(b: Bench, world: int, progress) -> list[dict]:
+    """Rank-to-rank spread of identical compute (``noise: {"segments_s": [...], "calls": N}``).
+
+    Every rank runs the same GEMM loop, lasting about each of ``segments_s``, right after a barrier,
+    then joins a tiny all-reduce (as a layer's compute ends at an all-to-all); each rank's segment
+    time is recorded per call. The row keeps, per call, every rank's time: the fit
+    (:func:`hw_validate.calibrate_fit.fit_noise`) turns the spread across ranks into the relative
+    standard deviation of a rank's segment time, which the simulator draws per compute segment
+    and rank, so the ranks reach each all-to-all at different times and wait for the last, as in
+    the job. Measured on this VM (2 ranks, 1 thread each, segments of 1-65 ms): the ranks differ by
+    ~10% of the segment, partly persistently (one vCPU faster for a while); in the e8-top1-t512 job
+    the later rank reaches each all-to-all 1-2 ms after the first (segments of 3-7 ms)."""
+    cfg = b.spec.get("noise") or {}
+    rows: list[dict] = []
+    if world < 2 or not cfg.get("segments_s"):
+        return rows
+    a = torch.randn(256, 256, device=b.device)
+    w = torch.randn(256, 256, device=b.device)
+    tiny = torch.zeros(1, device=b.device)
+
+    def gemm():
+        torch.mm(a, w)
+
+    per = b.iters_for(gemm, agree=True, target_s=1e-3)  # GEMMs per ms, the same on every rank
+    calls = int(cfg.get("calls", 20))
+    for seg in cfg["segments_s"]:
+        n = max(1, round(per * float(seg) / 1e-3))
+        gemm()
+        mine = []
+        for _ in range(calls):
+            dist.barrier()
+            b.sync()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                gemm()
+            b.sync()
+            mine.append(time.perf_counter() - t0)
+            dist.all_reduce(tiny)
+        t = torch.tensor(mine, dtype=torch.float64, device=b.device)
+        every = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(every, t)
+        rows.append({"segment_s": float(seg), "gemms": n, "calls": calls,
+                     "per_rank_s": [e.cpu().tolist() for e in every]})  # fmt: skip
+        progress.update()
+    return rows
+
+
 def _count(spec: dict, world: int) -> int:
     c = spec.get("comm") or {}
     n_comm = len(c.get("kinds", ())) * len(c.get("sizes", ())) if world > 1 else 0
     per_dtype = len(spec.get("gemm", ())) + len(spec.get("attention", ()))
-    return n_comm + per_dtype * len(spec.get("dtypes", ["fp32"])) + len(spec.get("memory_elements", ())) * len(
-        spec.get("memory_ops", MEMORY_OPS)) + 1 + len(
+    n_noise = len((spec.get("noise") or {}).get("segments_s", ())) if world > 1 else 0
+    return n_comm + n_noise + per_dtype * len(spec.get("dtypes", ["fp32"])) + len(
+        spec.get("memory_elements", ())) * len(spec.get("memory_ops", MEMORY_OPS)) + 1 + len(
         spec.get("optimizer_params", ())
     )
 
@@ -435,6 +521,8 @@ def main(argv: list[str] | None = None) -> int:
     out: dict = {"hardware": hardware(device, backend, world, threads)}
     bar.set_postfix_str("collectives")
     out["comm"] = bench_comm(b, world, bar)
+    bar.set_postfix_str("compute noise")
+    out["noise"] = bench_noise(b, world, bar)
     out["gemm"], out["attention"] = [], []
     for dtype in spec.get("dtypes", ["fp32"]):
         bar.set_postfix_str(f"GEMM {dtype}")

@@ -22,6 +22,7 @@ replaces the topology's defaults where present::
       "cpu_adam_Gparams_per_s": 1.1,  # DeepSpeedCPUAdam update rate per node
       "optimizer_bytes_per_param": 32.0,  # device bytes moved per parameter by the GPU optimizer step
       "optimizer_step_overhead_us": 900.0,  # fixed cost of one optimizer step (framework bookkeeping)
+      "compute_noise_cv": 0.1,        # relative std of a rank's compute-segment time (rank-to-rank spread)
       "sweeps": {...}                 # raw measurements (kept for the record; not read by the simulator)
     }
 
@@ -30,7 +31,8 @@ timed repetitions the fits read), ``comm`` (nccl-tests rows: ``kind``, ``bytes``
 ``time_s``, ``median_time_s``, ``p25_s``, ``min_s``, ``reps_s``, ``algbw_GBps``, ``busbw_GBps``,
 ``fit_time_s`` = the simulator's time with the fitted link), ``links_by_kind`` (each collective
 fitted alone, a diagnostic), ``gemm`` (``dtype``, ``m``, ``n``, ``k``, ``time_s``, ``fit_time_s``),
-``attention``, ``memory``, ``launch``, ``optimizer``, ``spec`` (what was measured), ``job_wall_s``,
+``attention``, ``memory``, ``launch``, ``optimizer``, ``noise`` (per segment length, every rank's
+time per call and the fitted ``cv``), ``spec`` (what was measured), ``job_wall_s``,
 ``fit_wall_s`` and ``command``. ``hardware`` names the machine: ``device``, ``device_name``,
 ``backend``, ``world_size``, ``threads_per_rank``, ``cpu_count``, ``host``, ``python``, ``torch``,
 ``cuda``, ``topology`` (the cluster the link fit ran on) and ``scenarios`` (whose shapes were measured).
@@ -100,6 +102,10 @@ class Calibration(StrictModel):
     cpu_adam_Gparams_per_s: float | None = Field(default=None, gt=0)
     optimizer_bytes_per_param: float | None = Field(default=None, gt=0)
     optimizer_step_overhead_us: float | None = Field(default=None, ge=0)
+    #: relative std of one rank's compute-segment time: every compute segment between two
+    #: collectives (and the optimizer step) of every rank is scaled by its own lognormal draw of
+    #: mean 1 (sim.schedule.apply_segment_noise), so the ranks reach each rendezvous apart
+    compute_noise_cv: float | None = Field(default=None, ge=0, le=10)
     sweeps: dict[str, Any] = {}
 
 

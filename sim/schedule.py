@@ -300,6 +300,20 @@ def apply_jitter(ops: list, jitter) -> None:
         at += k
 
 
+def apply_segment_noise(ops: list, tail_s: np.ndarray, noise) -> np.ndarray:
+    """Scale every compute segment (one :class:`Compute` op: the kernels between two collectives)
+    of every rank by its own draw of ``noise(rank, n)`` -- all kernels of a segment by the same
+    factor, since the spread measured between ranks is of whole segments (a slower core, a
+    preemption), not of independent kernels -- and the optimizer step (``tail_s``) by one more
+    draw; returns the scaled ``tail_s``. Draws are in op order per rank, as in :func:`apply_jitter`."""
+    computes = [op for op in ops if isinstance(op, Compute)]
+    world = len(tail_s)
+    factors = np.stack([np.asarray(noise(r, len(computes) + 1), dtype=np.float64) for r in range(world)], axis=1)
+    for i, op in enumerate(computes):
+        op.durs = op.durs * factors[i][None, :]
+    return tail_s * factors[-1]
+
+
 def build_schedule(
     s: Scenario, plan: RoutingPlan | None, cost: CostModel, compute_factor: np.ndarray, jitter=None
 ) -> Schedule:
@@ -366,8 +380,14 @@ def build_schedule(
         if cal is not None and cal.cpu_adam_Gparams_per_s is not None
         else s.topology.node.cpu.adam_Gparams_per_s
     )
+    optimizer_s = np.zeros(s.world_size) if offload else np.full(s.world_size, cost.optimizer_time(opt_params))
+    if cal is not None and cal.compute_noise_cv and s.world_size > 1:
+        from sim.faults import KernelJitter
+
+        # the calibrated rank-to-rank spread of compute; its own streams (seed: the routing seed)
+        optimizer_s = apply_segment_noise(b.ops, optimizer_s, KernelJitter(cal.compute_noise_cv, s.routing.seed + 7919))
     tail = Tail(
-        optimizer_s=np.zeros(s.world_size) if offload else np.full(s.world_size, cost.optimizer_time(opt_params)),
+        optimizer_s=optimizer_s,
         offload_bytes=float(opt_params * b.bpe) if offload else 0.0,
         cpu_adam_s=cpu_adam_time(opt_params, s.gpus_per_node, rate) if offload else 0.0,
         gather_nonexpert=ne_total if stage in (1, 2) else 0,
@@ -388,4 +408,5 @@ def build_schedule(
     )
 
 
-__all__ = ["AllToAll", "Compute", "Gather", "GradReady", "Schedule", "Tail", "WaitGather", "build_schedule"]
+__all__ = ["AllToAll", "Compute", "Gather", "GradReady", "Schedule", "Tail", "WaitGather", "apply_segment_noise",
+           "build_schedule"]
