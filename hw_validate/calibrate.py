@@ -76,6 +76,7 @@ def scenario_shapes(paths: list[str | Path], accelerator: str = "cpu") -> dict[s
     attention: set[tuple[int, int, int, int]] = set()
     act: set[int] = set()
     opt: set[int] = set()
+    dispatcher: set[tuple] = set()
     stages: list[int] = []
     dtypes: set[str] = set()
 
@@ -105,12 +106,18 @@ def scenario_shapes(paths: list[str | Path], accelerator: str = "cpu") -> dict[s
         t = s.tokens_per_micro_batch
         act.update({t * m.hidden_size, t * (m.moe_ffn_hidden_size or m.hidden_size)})
         opt.add(int(sched.stats["optimizer_params_per_rank"]))
+        if m.num_moe_layers:
+            r = s.routing
+            drop = not (r.dispatch == "dropless" or r.capacity_factor is None)
+            dispatcher.add((t, m.hidden_size, m.num_experts, m.top_k, r.capacity_factor, r.min_capacity, drop))
         stages.append(int(s.parallelism.zero_stage))
     return {
         "gemm": sorted(gemms),
         "attention": sorted(attention),
         "activation_elements": sorted(act),
         "optimizer_params": sorted(opt),
+        # DeepSpeed's token dispatcher: (tokens per rank, d, experts, k, capacity factor, min capacity, drop)
+        "dispatcher": sorted(dispatcher, key=lambda x: (x[0] * x[1] * x[3], repr(x))),
         # the stage most of the scenarios use (ties: the higher); the optimizer is timed under it
         "zero_stage": max(set(stages), key=lambda z: (stages.count(z), z)) if stages else None,
         "dtypes": sorted(dtypes),
@@ -167,6 +174,10 @@ def build_spec(
     optimizer = optimizer_spec(shapes.get("zero_stage"))
     if optimizer["impl"] == "deepspeed":  # an engine per size (~2-5 s each): spread over the range
         opt_sizes = _spread(opt_sizes, 3 if quick else 6)
+    # DeepSpeed's gate / sparse encode / decode at the scenarios' shapes (needs DeepSpeed; ~1 s each)
+    disp = [list(x) for x in shapes.get("dispatcher", [])] if optimizer["impl"] == "deepspeed" else []
+    if len(disp) > (limit_d := 3 if quick else 8):
+        disp = [disp[i] for i in np.unique(np.round(np.linspace(0, len(disp) - 1, limit_d)).astype(int))]
     return {
         "backend": backend,
         "dtypes": list(shapes.get("dtypes") or (["bf16"] if gpu else ["fp32"])),
@@ -183,6 +194,7 @@ def build_spec(
         "launch_ops": 500 if quick else 2000,
         "optimizer_params": opt_sizes,
         "optimizer": optimizer,
+        "dispatcher": disp,
         "reps": 3 if quick else 7,
         "target_s": 0.004 if quick and not gpu else (0.002 if gpu else 0.02),
         # CPU ranks: compute items timed with cold caches (hw_validate/microbench.py): in the job the

@@ -167,6 +167,61 @@ def fit_optimizer(rows: list[dict], hbm_Bps: float) -> tuple[float, float]:
     return slope * hbm_Bps, c
 
 
+def fit_dispatcher(rows: list[dict], gemm: GemmFit | None, hbm_Bps: float, launch_s: float) -> tuple[float, float] | None:
+    """(seconds per eager op, bytes/s) of the token dispatcher (``dispatcher_op_us``,
+    ``dispatcher_bw_GBps``) from :func:`hw_validate.microbench.bench_dispatcher` rows, through the
+    simulator's own pricing: every piece and direction ``t = ops x op_s + bytes / bw`` with the
+    ops and bytes of :func:`sim.schedule.dispatcher_work` (the gate's router GEMM, priced by the
+    fitted GEMM model, taken off first). Least squares on relative error, with an op no cheaper
+    than a launch (``kernel_launch_us``) and the gathers no faster than the streaming kernels
+    (``hbm_bw_GBps``). Each row gets ``fit_<piece>_<fwd|bwd>_s`` and ``work`` (ops, bytes)."""
+    from scipy.optimize import lsq_linear
+
+    from sim.schedule import DISPATCHER_PIECES, dispatcher_work
+
+    eqs = []  # (row, field, ops, bytes, fixed s, measured s)
+    for r in rows:
+        fixed_f = fixed_b = 0.0
+        if gemm is not None:  # router GEMM [S, d] @ [d, E]; backward: input and weight gradients
+            p = (gemm.peak_TFLOPs * 1e12, gemm.m_half, gemm.nk_half)
+            S, d, E, bpe = r["tokens"], r["d"], r["experts"], 4
+            fixed_f = float(gemm_model_times(p, np.array([[S, E, d]], float), bpe, hbm_Bps, launch_s)[0])
+            fixed_b = float(gemm_model_times(p, np.array([[S, d, E], [d, E, S]], float), bpe, hbm_Bps, launch_s).sum())
+        r["work"] = {}
+        for piece in DISPATCHER_PIECES:
+            of, bf, ob, bb = dispatcher_work(piece, r["tokens"], r["d"], r["experts"], r["k"], float(r["slots"]),
+                                             bool(r["drop_tokens"]), int(r["bytes_per_element"]))  # fmt: skip
+            r["work"][piece] = {"fwd_ops": of, "fwd_bytes": float(bf), "bwd_ops": ob, "bwd_bytes": float(bb)}
+            for direction, ops, nb, fixed in (("fwd", of, bf, fixed_f), ("bwd", ob, bb, fixed_b)):
+                fx = fixed if piece == "gate" else 0.0
+                t = float(r[f"{piece}_{direction}_s"])
+                if t > 0:
+                    eqs.append((r, f"fit_{piece}_{direction}_s", float(ops), float(nb), fx, t))
+    if not eqs:
+        return None
+    t = np.array([e[5] for e in eqs])
+    A = np.array([[e[2], e[3]] for e in eqs]) / t[:, None]
+    y = np.array([(e[5] - e[4]) / e[5] for e in eqs])
+    upper_inv_bw = np.inf
+    lo = [launch_s, 1.0 / hbm_Bps if np.isfinite(hbm_Bps) else 0.0]
+    sol = lsq_linear(A, y, bounds=(lo, [np.inf, upper_inv_bw]))
+    op_s, inv_bw = float(sol.x[0]), float(sol.x[1])
+    for r, field, ops, nb, fx, _ in eqs:
+        r[field] = fx + ops * op_s + nb * inv_bw
+    return op_s, (1.0 / inv_bw if inv_bw > 0 else hbm_Bps)
+
+
+def dispatcher_errors(rows: list[dict]) -> np.ndarray:
+    """Relative errors of the fitted dispatcher model over every piece and direction measured."""
+    out = []
+    for r in rows:
+        for key in [k for k in r if k.startswith("fit_") and k.endswith("_s")]:
+            m = r[key[4:]]
+            if m > 0:
+                out.append(r[key] / m - 1.0)
+    return np.array(out)
+
+
 def fit_noise(rows: list[dict]) -> float | None:
     """Relative standard deviation of one rank's compute-segment time (``compute_noise_cv``) from
     :func:`hw_validate.microbench.bench_noise` rows, each annotated in place with its own ``cv``.
@@ -212,7 +267,9 @@ STATS = ("median", "p25")
 #: per section: (field the fits read, field holding the lower quartile)
 _STAT_FIELDS = {"comm": [("time_s", "p25_s")], "gemm": [("time_s", "p25_s")], "memory": [("time_s", "p25_s")],
                 "optimizer": [("time_s", "p25_s")], "attention": [("fwd_s", "fwd_p25_s"), ("bwd_s", "bwd_p25_s")],
-                "launch": [("fwd_op_s", "fwd_op_p25_s"), ("bwd_op_s", "bwd_op_p25_s")]}  # fmt: skip
+                "launch": [("fwd_op_s", "fwd_op_p25_s"), ("bwd_op_s", "bwd_op_p25_s")],
+                "dispatcher": [(f"{p}_{d}_s", f"{p}_{d}_p25_s") for p in ("gate", "encode", "decode")
+                               for d in ("fwd", "bwd")]}  # fmt: skip
 
 
 def select_stat(raw: dict[str, Any], stat: str = "median") -> dict[str, Any]:
@@ -262,6 +319,12 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
     bpp, overhead = fit_optimizer(raw["optimizer"], hbm_Bps) if raw["optimizer"] and hbm else (None, None)
     noise_rows = raw.get("noise") or []
     noise_cv = fit_noise(noise_rows)
+    disp_rows = raw.get("dispatcher") or []
+    disp = fit_dispatcher(disp_rows, gemm.get("fp32"), hbm_Bps, launch_s) if disp_rows else None
+    if disp is not None:
+        err = np.abs(dispatcher_errors(disp_rows))
+        report["dispatcher"] = {"op_us": disp[0] * 1e6, "bw_GBps": disp[1] / 1e9, "fit_rel_err": float(np.median(err)),
+                                "fit_max_rel_err": float(err.max()), "points": int(err.size)}  # fmt: skip
     links: dict[str, LinkFit] = {}
     table = comm_table(raw["comm"])
     if raw["comm"]:
@@ -285,6 +348,8 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
         attention_efficiency=att,
         hbm_bw_GBps=hbm / 1e9 if hbm else None,
         kernel_launch_us=launch_s * 1e6,
+        dispatcher_op_us=disp[0] * 1e6 if disp is not None else None,
+        dispatcher_bw_GBps=disp[1] / 1e9 if disp is not None else None,
         links=links,
         optimizer_bytes_per_param=bpp,
         optimizer_step_overhead_us=overhead * 1e6 if overhead is not None else None,
@@ -298,6 +363,8 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
             "memory": raw["memory"],
             "launch": raw["launch"],
             "optimizer": raw["optimizer"],
+            "dispatcher": disp_rows,
+            "dispatcher_fit": report.get("dispatcher"),
             "noise": noise_rows,
             "spec": {k: v for k, v in spec.items() if k != "gemm"},
             "wall_s": raw.get("wall_s"),
@@ -356,6 +423,13 @@ def format_report(cal: Calibration) -> str:
         f"attention efficiency {num(cal.attention_efficiency, '.3f')}, optimizer "
         f"{num(cal.optimizer_bytes_per_param, '.1f')} B/param + {num(cal.optimizer_step_overhead_us, '.0f')} us per step"
     )
+    df = cal.sweeps.get("dispatcher_fit")
+    if cal.dispatcher_op_us is not None and df:
+        lines.append(
+            f"token dispatcher (DeepSpeed gate, sparse encode/decode): {cal.dispatcher_op_us:.2f} us per op, "
+            f"{cal.dispatcher_bw_GBps:.2f} GB/s; fit error median {100 * df['fit_rel_err']:.1f}%, "
+            f"max {100 * df['fit_max_rel_err']:.1f}% over {df['points']} timings"
+        )
     noise = cal.sweeps.get("noise") or []
     if cal.compute_noise_cv is not None:
         each = ", ".join(f"{r['segment_s'] * 1e3:g} ms {r['cv']:.3f}" for r in noise if "cv" in r)

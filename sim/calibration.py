@@ -14,6 +14,8 @@ replaces the topology's defaults where present::
       "attention_efficiency": 0.6,    # attention-core throughput / achieved GEMM peak
       "hbm_bw_GBps": 2900.0,          # achieved bandwidth of memory-bound kernels (elementwise, norms, optimizer)
       "kernel_launch_us": 6.0,        # fixed cost per kernel (launch + framework dispatch)
+      "dispatcher_op_us": 25.0,       # cost of one eager op of the token dispatcher (gate top-k, permute, unpermute)
+      "dispatcher_bw_GBps": 5.0,      # bandwidth of the dispatcher's gathers and scatters
       "links": {                      # alpha-beta fits per link class: time = alpha + bytes / bw
         "intra": {"alpha_us": 12.0, "bw_GBps": 310.0, "fit_rel_err": 0.04, "fit_max_rel_err": 0.09, "points": 24},
         "inter": {"alpha_us": 20.0, "bw_GBps": 46.0},
@@ -31,7 +33,9 @@ timed repetitions the fits read), ``comm`` (nccl-tests rows: ``kind``, ``bytes``
 ``time_s``, ``median_time_s``, ``p25_s``, ``min_s``, ``reps_s``, ``algbw_GBps``, ``busbw_GBps``,
 ``fit_time_s`` = the simulator's time with the fitted link), ``links_by_kind`` (each collective
 fitted alone, a diagnostic), ``gemm`` (``dtype``, ``m``, ``n``, ``k``, ``time_s``, ``fit_time_s``),
-``attention``, ``memory``, ``launch``, ``optimizer``, ``noise`` (per segment length, every rank's
+``attention``, ``memory``, ``launch``, ``optimizer``, ``dispatcher`` (DeepSpeed's gate, sparse
+encode and decode at the scenarios' shapes: forward and backward seconds per call, the op
+counts and bytes the simulator assigns them, ``fit_*_s``), ``noise`` (per segment length, every rank's
 time per call and the fitted ``cv``), ``spec`` (what was measured), ``job_wall_s``,
 ``fit_wall_s`` and ``command``. ``hardware`` names the machine: ``device``, ``device_name``,
 ``backend``, ``world_size``, ``threads_per_rank``, ``cpu_count``, ``host``, ``python``, ``torch``,
@@ -98,6 +102,11 @@ class Calibration(StrictModel):
     attention_efficiency: float | None = Field(default=None, gt=0, le=1)
     hbm_bw_GBps: float | None = Field(default=None, gt=0)
     kernel_launch_us: float | None = Field(default=None, ge=0)
+    #: the token dispatcher's eager ops (DeepSpeed's TopKGate less its GEMM, _route_slots +
+    #: _sparse_encode, _sparse_decode; sim.schedule.dispatcher_work counts them): time =
+    #: ops x dispatcher_op_us + bytes / dispatcher_bw_GBps; absent: kernel_launch_us and hbm_bw_GBps
+    dispatcher_op_us: float | None = Field(default=None, ge=0)
+    dispatcher_bw_GBps: float | None = Field(default=None, gt=0)
     links: dict[str, LinkFit] = {}
     cpu_adam_Gparams_per_s: float | None = Field(default=None, gt=0)
     optimizer_bytes_per_param: float | None = Field(default=None, gt=0)

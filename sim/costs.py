@@ -71,6 +71,24 @@ class CostModel:
         return self.gpu.hbm_bw_GBps * 1e9 * DEFAULT_HBM_EFFICIENCY
 
     @property
+    def dispatcher_op_s(self) -> float:
+        """Cost of one eager op of the token dispatcher (router top-k and masks, permute, unpermute):
+        calibrated if measured (``dispatcher_op_us``), else one kernel launch."""
+        cal = self.calibration
+        if cal is not None and cal.dispatcher_op_us is not None:
+            return cal.dispatcher_op_us * 1e-6
+        return self.launch_s
+
+    @property
+    def dispatcher_Bps(self) -> float:
+        """Bandwidth of the token dispatcher's gathers and scatters: calibrated if measured
+        (``dispatcher_bw_GBps``), else the memory-bound kernels' bandwidth."""
+        cal = self.calibration
+        if cal is not None and cal.dispatcher_bw_GBps is not None:
+            return cal.dispatcher_bw_GBps * 1e9
+        return self.hbm_Bps
+
+    @property
     def attention_efficiency(self) -> float:
         cal = self.calibration
         if cal is not None and cal.attention_efficiency is not None:
@@ -154,6 +172,12 @@ class CostModel:
         if nbytes <= 0:
             return 0.0
         return nbytes / self.hbm_Bps + kernels * self.launch_s
+
+    def dispatcher_time(self, nbytes: float | np.ndarray, ops: int) -> np.ndarray:
+        """The token dispatcher's eager ops (:func:`sim.schedule.dispatcher_work`): ``ops`` ops moving
+        ``nbytes`` by gathers, scatters and masks; 0 where nothing moves."""
+        nb = np.asarray(nbytes, dtype=np.float64)
+        return np.where(nb > 0, nb / self.dispatcher_Bps + ops * self.dispatcher_op_s, 0.0)
 
     def optimizer_time(self, params: float) -> float:
         """Fused Adam step on the device over ``params`` parameters (memory bound) plus the step's

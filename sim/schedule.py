@@ -58,6 +58,37 @@ UNPERMUTE_OPS = (6, 8)
 #: (k if k <= 2 else "k", drop_tokens): the dropless gate skips the capacity masks.
 GATE_OPS = {(1, True): (48, 7), (1, False): (49, 7), (2, True): (91, 39), (2, False): (71, 39),
             ("k", True): (43, 22), ("k", False): (35, 22)}  # fmt: skip
+DISPATCHER_PIECES = ("gate", "encode", "decode")
+
+
+def dispatcher_work(piece: str, tokens: int, d: int, experts: int, k: int, slots: float | np.ndarray,
+                    drop: bool, bpe: int) -> tuple[int, float | np.ndarray, int, float | np.ndarray]:  # fmt: skip
+    """(forward ops, forward bytes, backward ops, backward bytes) of one piece of DeepSpeed's
+    (0.19.x) token dispatcher for ``tokens`` tokens of width ``d`` into ``slots`` = E x C rows:
+
+    ``gate``   ``TopKGate`` less its router GEMM: softmax, top-k, masks, cumsum, aux loss over
+               [S, E] fp32 (:data:`GATE_OPS`);
+    ``encode`` ``_route_slots`` + ``_sparse_encode``: slot map (scatter), cat of a zero pad row,
+               index_select of E C rows; backward: index_add of E C rows into zeros, slice of the pad;
+    ``decode`` ``_sparse_decode``: cat a pad row, index_select k S rows, multiply by the gates, sum
+               over the k routes; backward: the mirror plus the gate gradient (mul + sum).
+
+    The simulator prices them as ``ops x dispatcher_op_s + bytes / dispatcher_Bps``
+    (:meth:`sim.costs.CostModel.dispatcher_time`); ``moesim calibrate`` times the real pieces and
+    fits the two constants through this same function."""
+    if piece == "gate":
+        ops_f, ops_b = GATE_OPS[(k if k <= 2 else "k", drop)]
+        nb = 3.0 * tokens * experts * 4
+        return ops_f, nb, ops_b, nb
+    if piece == "encode":
+        return (PERMUTE_OPS[0], (2 * tokens + 2 * slots) * d * bpe,
+                PERMUTE_OPS[1], (2 * tokens + 3 * slots) * d * bpe)  # fmt: skip
+    if piece == "decode":
+        return (UNPERMUTE_OPS[0], (2 * slots + 5 * k * tokens + tokens) * d * bpe,
+                UNPERMUTE_OPS[1], (3 * slots + 7 * k * tokens) * d * bpe)  # fmt: skip
+    raise ValueError(f"unknown dispatcher piece {piece!r}; one of {DISPATCHER_PIECES}")
+
+
 #: FlashAttention-2 backward: 5 matmuls against the forward's 2, i.e. 2.5x the forward FLOPs.
 ATTENTION_BWD_FACTOR = 2.5
 COMPUTE_NAMES = (
@@ -163,6 +194,15 @@ class _Builder:
             fwd, bwd, fl = fwd + f, bwd + b, fl + 2.0 * r * g.n * g.k
         return fwd, bwd, fl
 
+    def _dispatcher(self, piece: str, tokens: int, slots: float | np.ndarray, drop: bool = True):
+        """(forward s, backward s) of one piece of DeepSpeed's token dispatcher on every rank."""
+        m = self.m
+        ops_f, bytes_f, ops_b, bytes_b = dispatcher_work(
+            piece, tokens, m.hidden_size, m.num_experts, m.top_k, slots, drop, self.bpe
+        )
+        full = np.ones(self.world)
+        return self.cost.dispatcher_time(bytes_f * full, ops_f), self.cost.dispatcher_time(bytes_b * full, ops_b)
+
     def _mem(self, nbytes: float | np.ndarray, kernels: int = 1) -> np.ndarray:
         nb = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), (self.world,))
         return np.where(nb > 0, nb / self.cost.hbm_Bps + kernels * self.cost.launch_s, 0.0)
@@ -200,10 +240,7 @@ class _Builder:
             f, b, fl = self._gemms([router_gemm(m)], T)
             r = self.s.routing
             drop = not (r.dispatch == "dropless" or r.capacity_factor is None)
-            ops_f, ops_b = GATE_OPS[(m.top_k if m.top_k <= 2 else "k", drop)]
-            # softmax, top-k, masks, cumsum, aux loss over [S, E]: each op one eager launch
-            topk_f = self._mem(3 * T * m.num_experts * 4, kernels=ops_f)
-            topk_b = self._mem(3 * T * m.num_experts * 4, kernels=ops_b)
+            topk_f, topk_b = self._dispatcher("gate", T, 0.0, drop)
             return f + norm + topk_f, b + 2 * norm + topk_b, fl
         if name == "output":
             f, b, fl = self._gemms([lm_head_gemm(m)], T)
@@ -222,20 +259,10 @@ class _Builder:
             return f, b, fl
         if plan.padded is not None:  # DeepSpeed's sparse routes into / out of E x C slots
             c = np.repeat(plan.padded[moe, micro].astype(np.float64), self.s.ep)
-            slots, k = m.num_experts * c, float(m.top_k)
-            if name == "permute":
-                # _sparse_encode: slot map (scatter), cat of a zero pad row (S d), index_select of
-                # E C rows; backward: index_add of E C rows into zeros, slice of the pad
-                f = self._mem((2 * T + 2 * slots) * d * bpe, kernels=PERMUTE_OPS[0])
-                b = self._mem((2 * T + 3 * slots) * d * bpe, kernels=PERMUTE_OPS[1])
-                return f, b, np.zeros(self.world)
-            # _sparse_decode: cat a pad row (E C d), index_select k S rows, multiply by the gates,
-            # sum over the k routes; backward: the mirror plus the gate gradient (mul + sum)
-            f = self._mem((2 * slots + 5 * k * T + T) * d * bpe, kernels=UNPERMUTE_OPS[0])
-            b = self._mem((3 * slots + 7 * k * T) * d * bpe, kernels=UNPERMUTE_OPS[1])
+            f, b = self._dispatcher("encode" if name == "permute" else "decode", T, m.num_experts * c)
             return f, b, np.zeros(self.world)
         copies = plan.kept[moe, micro].sum(axis=1).astype(np.float64)  # token copies this rank sends
-        gathered = self._mem(2 * copies * d * bpe)  # permute: gather rows; unpermute: weighted scatter
+        gathered = self.cost.dispatcher_time(2 * copies * d * bpe, 1)  # permute: gather; unpermute: weighted scatter
         return gathered, gathered, np.zeros(self.world)
 
     def _gemm_rows(self, rows: np.ndarray, n: float, k: np.ndarray | float) -> np.ndarray:

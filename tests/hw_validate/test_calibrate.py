@@ -64,6 +64,15 @@ def test_cli_prints_table_and_fits_and_writes_a_loadable_file(quick):
     for r in opt:
         assert r["impl"] == "deepspeed" and r["zero_stage"] == 2
         assert r["time_s"] > 0 and r["comm_s"] > 0  # ZeRO-2 all-gathers the updated partitions
+    # DeepSpeed's token dispatcher at the scenario's shape (256 tokens a rank, d 128, 4 experts,
+    # top-2, capacity factor 1.25: C = ceil(256 * 2 / 4 * 1.25) = 160), fitted within its bounds
+    (disp,) = cal.sweeps["dispatcher"]
+    assert (disp["tokens"], disp["d"], disp["experts"], disp["k"], disp["capacity"]) == (256, 128, 4, 2, 160)
+    for piece in ("gate", "encode", "decode"):
+        assert disp[f"{piece}_fwd_s"] > 0 and disp[f"{piece}_bwd_s"] > 0
+        assert disp[f"fit_{piece}_fwd_s"] > 0
+    assert cal.dispatcher_op_us >= cal.kernel_launch_us and cal.dispatcher_bw_GBps <= cal.hbm_bw_GBps
+    assert "token dispatcher (DeepSpeed gate, sparse encode/decode)" in proc.stdout
 
 
 @pytest.mark.slow

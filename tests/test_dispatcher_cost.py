@@ -1,0 +1,141 @@
+"""The token dispatcher's cost (DeepSpeed's gate less its GEMM, sparse encode, sparse decode):
+priced by the simulator as ``ops x dispatcher_op_us + bytes / dispatcher_bw_GBps`` over the op
+counts and bytes of ``sim.schedule.dispatcher_work``; ``moesim calibrate`` fits the two constants
+through that same function. Checked against the closed form on synthetic rows and in the schedule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from hw_validate.calibrate_fit import dispatcher_errors, fit_dispatcher
+from sim.calibration import Calibration, GemmFit, save_calibration
+from sim.routing import route_scenario
+from sim.scenario import load_scenario
+from sim.schedule import (
+    DISPATCHER_PIECES,
+    GATE_OPS,
+    PERMUTE_OPS,
+    UNPERMUTE_OPS,
+    Compute,
+    build_schedule,
+    dispatcher_work,
+)
+from sim.simulate import cost_model, simulate
+from tests.conftest import SCENARIOS
+
+CPU2 = SCENARIOS / "cpu-2rank.yaml"
+SHAPES = [(256, 128, 4, 2, 160, True), (512, 128, 8, 1, 64, True), (512, 192, 8, 3, 207, False),
+          (1024, 128, 16, 2, 256, True)]  # fmt: skip
+
+
+def _rows(op_s, bw, gemm_s=None):
+    rows = []
+    for tokens, d, e, k, cap, drop in SHAPES:
+        r = {"tokens": tokens, "d": d, "experts": e, "k": k, "capacity": cap, "slots": e * cap,
+             "drop_tokens": drop, "bytes_per_element": 4}  # fmt: skip
+        for piece in DISPATCHER_PIECES:
+            of, bf, ob, bb = dispatcher_work(piece, tokens, d, e, k, e * cap, drop, 4)
+            extra = gemm_s(r) if (gemm_s and piece == "gate") else (0.0, 0.0)
+            r[f"{piece}_fwd_s"] = of * op_s + bf / bw + extra[0]
+            r[f"{piece}_bwd_s"] = ob * op_s + bb / bw + extra[1]
+        rows.append(r)
+    return rows
+
+
+def test_dispatcher_work_counts_deepspeeds_ops_and_bytes():
+    """Closed forms: encode moves (2S + 2EC) d elements forward, (2S + 3EC) d backward; decode
+    (2EC + 5kS + S) d and (3EC + 7kS) d; the gate reads/writes 3 S E fp32 values per op pass."""
+    S, d, E, k, slots = 512, 128, 8, 2, 8 * 80
+    assert dispatcher_work("encode", S, d, E, k, slots, True, 4) == (
+        PERMUTE_OPS[0], (2 * S + 2 * slots) * d * 4, PERMUTE_OPS[1], (2 * S + 3 * slots) * d * 4)
+    assert dispatcher_work("decode", S, d, E, k, slots, True, 2) == (
+        UNPERMUTE_OPS[0], (2 * slots + 5 * k * S + S) * d * 2, UNPERMUTE_OPS[1], (3 * slots + 7 * k * S) * d * 2)
+    assert dispatcher_work("gate", S, d, E, 3, slots, False, 4) == (*GATE_OPS[("k", False)][:1], 3 * S * E * 4,
+                                                                    GATE_OPS[("k", False)][1], 3 * S * E * 4)
+    with pytest.raises(ValueError, match="unknown dispatcher piece"):
+        dispatcher_work("scatter", S, d, E, k, slots, True, 4)
+
+
+def test_fit_recovers_op_cost_and_bandwidth_exactly():
+    """Rows made by the model itself (25 us per op, 4 GB/s): the fit returns both, every row's
+    fitted time equals its measured time."""
+    rows = _rows(25e-6, 4e9)
+    op_s, bps = fit_dispatcher(rows, None, 30e9, 10e-6)
+    assert op_s == pytest.approx(25e-6, rel=1e-6) and bps == pytest.approx(4e9, rel=1e-6)
+    assert np.abs(dispatcher_errors(rows)).max() < 1e-6
+    assert rows[0]["work"]["encode"]["fwd_ops"] == PERMUTE_OPS[0]
+
+
+def test_fit_takes_the_router_gemm_off_the_gate():
+    """The gate's timings include its router GEMM [S, d] @ [d, E] (backward: two GEMMs), priced by
+    the fitted GEMM model at launch 0 and unbounded memory: the fit still recovers the constants."""
+    g = GemmFit(peak_TFLOPs=0.1, m_half=0.0, nk_half=0.0)
+
+    def gemm_s(r):
+        fl = 2.0 * r["tokens"] * r["d"] * r["experts"] / 0.1e12
+        return fl, 2 * fl
+
+    rows = _rows(20e-6, 6e9, gemm_s)
+    op_s, bps = fit_dispatcher(rows, g, float("inf"), 0.0)
+    assert op_s == pytest.approx(20e-6, rel=1e-6) and bps == pytest.approx(6e9, rel=1e-6)
+
+
+def test_fit_bounds_op_cost_by_a_launch_and_bandwidth_by_streaming():
+    """Rows cheaper than the bounds allow (1 us per op, 100 GB/s) are fitted at the bounds: an op
+    costs at least a launch (10 us), a gather moves at most the streaming bandwidth (30 GB/s)."""
+    op_s, bps = fit_dispatcher(_rows(1e-6, 100e9), None, 30e9, 10e-6)
+    assert op_s == pytest.approx(10e-6, rel=1e-9) and bps == pytest.approx(30e9, rel=1e-9)
+    assert fit_dispatcher([], None, 30e9, 10e-6) is None
+
+
+def _scenario(tmp_path, cal, name):
+    save_calibration(tmp_path / f"{name}.json", cal)
+    doc = yaml.safe_load(CPU2.read_text())
+    doc["calibration"] = f"{name}.json"
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return load_scenario(p)
+
+
+def _durations(s):
+    sched = build_schedule(s, route_scenario(s), cost_model(s), np.ones(s.world_size))
+    out: dict = {}
+    for op in sched.ops:
+        if isinstance(op, Compute):
+            for name, dur in zip(op.names, op.durs, strict=True):
+                out.setdefault((name, op.phase), []).append(dur)
+    return out
+
+
+def test_schedule_prices_permute_and_unpermute_by_calibrated_op_cost(tmp_path):
+    """Launch 0, unbounded bandwidths, 100 us per dispatcher op: permute costs exactly
+    PERMUTE_OPS x 100 us forward and backward, unpermute UNPERMUTE_OPS x 100 us, and the gate adds
+    GATE_OPS x 100 us to the route; without the dispatcher fields nothing but the launch is paid."""
+    base = dict(kernel_launch_us=0.0, hbm_bw_GBps=1e9)
+    plain = _durations(_scenario(tmp_path, Calibration(**base), "plain"))
+    cal = _durations(_scenario(tmp_path, Calibration(**base, dispatcher_op_us=100.0, dispatcher_bw_GBps=1e9), "cal"))
+    for name, (f, b) in (("permute", PERMUTE_OPS), ("unpermute", UNPERMUTE_OPS)):
+        for phase, ops in (("fwd", f), ("bwd", b)):
+            for dur in cal[(name, phase)]:
+                assert dur == pytest.approx(np.full(2, ops * 100e-6), rel=1e-6)
+            for dur in plain[(name, phase)]:
+                assert dur == pytest.approx(np.zeros(2), abs=1e-9)
+    gf, gb = GATE_OPS[(2, True)]
+    for phase, ops in (("fwd", gf), ("bwd", gb)):
+        for c, p in zip(cal[("route", phase)], plain[("route", phase)], strict=True):
+            assert c - p == pytest.approx(np.full(2, ops * 100e-6), rel=1e-6)
+
+
+def test_uncalibrated_dispatcher_is_launch_plus_streaming(tmp_path):
+    """No dispatcher fields: the dispatcher costs what it did before they existed (one launch per
+    op, bytes at the memory bandwidth); with them set to exactly those values, the step is the same."""
+    cal = Calibration(kernel_launch_us=12.0, hbm_bw_GBps=20.0)
+    same = Calibration(kernel_launch_us=12.0, hbm_bw_GBps=20.0, dispatcher_op_us=12.0, dispatcher_bw_GBps=20.0)
+    a = simulate(_scenario(tmp_path, cal, "a"))
+    b = simulate(_scenario(tmp_path, same, "b"))
+    assert a["step_time_s"] == b["step_time_s"]
+    slow = simulate(_scenario(tmp_path, Calibration(kernel_launch_us=12.0, hbm_bw_GBps=20.0,
+                                                    dispatcher_op_us=50.0), "slow"))  # fmt: skip
+    assert slow["step_time_s"] > a["step_time_s"]
