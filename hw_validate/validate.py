@@ -78,6 +78,8 @@ def predicted_phases(spans: list, world: int) -> dict[str, float]:
         if sp.stream == "comm":
             if sp.name == "grad_sync":
                 p["grad_sync"] += dur
+            elif sp.name == "grad_norm":
+                p["optimizer_comm"] += dur
             elif sp.name == "param_gather" and opt_start[r] is not None:
                 p["optimizer_comm"] += dur
             else:
@@ -94,7 +96,7 @@ def predicted_phases(spans: list, world: int) -> dict[str, float]:
             if phase == "fwd":
                 fwd_end[r] = max(fwd_end[r], sp.end)
             continue
-        if sp.name == "optimizer":
+        if sp.name in ("optimizer", "grad_norm_wait"):  # DeepSpeed's step() starts with the norm
             opt_start[r] = sp.start if opt_start[r] is None else min(opt_start[r], sp.start)
             continue
         if phase in ("fwd", "recompute"):

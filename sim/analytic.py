@@ -110,6 +110,10 @@ def analytic_step(s, sched: Schedule, plan, cluster, cost) -> dict[str, Any]:
             wait_until(gathers.pop(op.key))
     wait_until(comm_free)
     tail = sched.tail
+    if tail.norm_reduce:  # the gradient norm's all-reduces, blocking (sim.engine.Engine._norm_reduce)
+        norm = red_time("all_reduce", dp_group, 4.0) + red_time("all_reduce", edp_group, 4.0)
+        exposed += norm
+        grad_total += norm
     if tail.offload_bytes:
         pcie = s.topology.node.pcie_host
         hop = tail.offload_bytes / (pcie.bw_GBps * 1e9) + pcie.latency_us * 1e-6

@@ -290,6 +290,16 @@ class Engine:
             ev = self._enqueue(rank, ("all_gather", key + ("ex", rank % s.ep), group, expert * bpe, "param_gather"))
         return ev if ev is not None else event_at(self.env, 0.0)
 
+    def _norm_reduce(self, rank: int) -> simpy.Event | None:
+        """The gradient norm's fp32 all-reduces (data-parallel, then expert-data-parallel group)."""
+        ev = None
+        if self.dp > 1:
+            ev = self._enqueue(rank, ("all_reduce", ("grad_norm", "ne"), self.dp_group, 4.0, "grad_norm"))
+        if self.edp > 1:
+            group = self.edp_groups[rank % self.ep]
+            ev = self._enqueue(rank, ("all_reduce", ("grad_norm", "ex", rank % self.ep), group, 4.0, "grad_norm"))
+        return ev
+
     # ---- compute stream -----------------------------------------------------------------------
     def _span(self, rank: int, name: str, start: float, end: float, **args) -> None:
         if rank in self.trace and end > start:
@@ -372,6 +382,13 @@ class Engine:
         yield self.comm_idle[rank]
         key["exposed_comm"][rank] += env.now - t0
         self._span(rank, "grad_sync_wait", t0, env.now)
+        if tail.norm_reduce:
+            t0 = env.now
+            ev = self._norm_reduce(rank)
+            if ev is not None:
+                yield ev
+                key["exposed_comm"][rank] += env.now - t0
+                self._span(rank, "grad_norm_wait", t0, env.now)
         t0 = env.now
         if tail.offload_bytes:
             yield self.comm.host_copy([rank], tail.offload_bytes, to_host=True)[rank]

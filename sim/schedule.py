@@ -16,10 +16,12 @@ backward  mirrored in reverse: GEMMs cost their input-gradient plus weight-gradi
           forward, all-to-alls included, before its backward.
 gradients ``GradReady`` hands a layer's gradients to the comm stream (bucketed by the engine):
           non-expert over the data-parallel group, expert over the expert-data-parallel group;
-          ZeRO-0 all-reduces after the last backward, ZeRO-1 reduce-scatters during the last
-          micro-batch's backward, ZeRO-2/3 during every backward (DeepSpeed's partitioned
-          gradients); ZeRO-3 also all-gathers each layer's parameters before its forward and
-          backward (one layer of prefetch).
+          ZeRO-0 all-reduces after the last backward, ZeRO-1 during the last micro-batch's
+          backward, ZeRO-2 during every backward: DeepSpeed 0.19's ZeRO-1/2 all-reduce each
+          gradient bucket and keep the rank's partition (``average_tensor`` ->
+          ``allreduce_and_scatter``, ``use_multi_rank_bucket_allreduce`` true by default), twice a
+          reduce-scatter's bytes; ZeRO-3 reduce-scatters, and all-gathers each layer's parameters
+          before its forward and backward (one layer of prefetch).
 tail      wait for the comm stream, the optimizer (fused Adam on the GPU, or offloaded: gradients
           over PCIe, DeepSpeedCPUAdam, parameters back), then ZeRO-1/2's parameter all-gather.
 
@@ -158,6 +160,10 @@ class Tail:
     cpu_adam_s: float
     gather_nonexpert: int  # ZeRO-1/2 post-step all-gather, parameters per rank's partition x group
     gather_expert: int
+    #: ZeRO-1/2/3 compute the global gradient norm before the update: an fp32 all-reduce over the
+    #: data-parallel group and one over each expert-data-parallel group (DeepSpeed's
+    #: ``get_grad_norm_direct`` / ``_average_expert_grad_norms``), blocking the step
+    norm_reduce: bool = False
 
 
 @dataclass
@@ -419,6 +425,7 @@ def build_schedule(
         cpu_adam_s=cpu_adam_time(opt_params, s.gpus_per_node, rate) if offload else 0.0,
         gather_nonexpert=ne_total if stage in (1, 2) else 0,
         gather_expert=ex_total if stage in (1, 2) else 0,
+        norm_reduce=stage >= 1,
     )
     from sim.flops import model_flops_per_token
 
@@ -427,7 +434,7 @@ def build_schedule(
         ops=b.ops,
         tail=tail,
         world=s.world_size,
-        grad_kind="all_reduce" if stage == 0 else "reduce_scatter",
+        grad_kind="reduce_scatter" if stage == 3 else "all_reduce",
         grad_bytes_per_param=b.bpe,
         param_bytes_per_param=b.bpe,
         model_flops=model_flops_per_token(m, t.seq_len) * tokens,
