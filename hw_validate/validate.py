@@ -86,6 +86,9 @@ def predicted_phases(spans: list, world: int) -> dict[str, float]:
                 p["forward_comm"] += dur
             continue
         phase = sp.args.get("phase")
+        if sp.name == "capacity_sync_wait":  # inside DeepSpeed's gate module: the job's route holds it
+            p["route"] += dur
+            continue
         if sp.name == "imbalance_wait":  # belongs to the all-to-all that follows it
             pending_wait[r] += dur
             continue

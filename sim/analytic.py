@@ -17,7 +17,7 @@ import numpy as np
 from sim.collectives import all_to_all_dag
 from sim.collectives_analytic import estimate_time_s
 from sim.comm import group_node_bytes, reduction_model
-from sim.schedule import AllToAll, Compute, Gather, GradReady, Schedule, WaitGather
+from sim.schedule import AllToAll, CapacitySync, Compute, Gather, GradReady, Schedule, WaitGather
 
 
 def analytic_step(s, sched: Schedule, plan, cluster, cost) -> dict[str, Any]:
@@ -91,6 +91,8 @@ def analytic_step(s, sched: Schedule, plan, cluster, cost) -> dict[str, Any]:
             t = a2a_time(op)
             a2a += t
             clock += t
+        elif isinstance(op, CapacitySync):  # blocking all-reduce over the EP group, after the comm stream
+            wait_until(on_comm(red_time("all_reduce", s.ep_groups()[0], op.nbytes)))
         elif isinstance(op, GradReady):
             acc[0] += op.nonexpert * bpe
             acc[1] += op.expert * bpe

@@ -23,7 +23,7 @@ from sim.ioutil import _clean, atomic_write_text
 
 STREAMS = ("compute", "comm")
 A2A_NAMES = ("dispatch", "combine")
-EXPOSED_NAMES = ("grad_sync_wait", "grad_norm_wait", "param_gather_wait", "param_gather")
+EXPOSED_NAMES = ("grad_sync_wait", "grad_norm_wait", "capacity_sync_wait", "param_gather_wait", "param_gather")
 
 
 def category_of(name: str) -> str:

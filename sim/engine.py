@@ -28,7 +28,7 @@ from sim.cluster import Cluster
 from sim.comm import Comm, event_at, fire_at, group_node_bytes
 from sim.routing import RoutingPlan
 from sim.scenario import Scenario
-from sim.schedule import AllToAll, Compute, Gather, GradReady, Schedule, WaitGather
+from sim.schedule import AllToAll, CapacitySync, Compute, Gather, GradReady, Schedule, WaitGather
 
 #: Breakdown categories of the compute stream; on every rank they tile [0, rank's end].
 STREAM_KEYS = ("compute", "a2a", "imbalance_wait", "exposed_comm", "optimizer")
@@ -290,6 +290,12 @@ class Engine:
             ev = self._enqueue(rank, ("all_gather", key + ("ex", rank % s.ep), group, expert * bpe, "param_gather"))
         return ev if ev is not None else event_at(self.env, 0.0)
 
+    def _capacity_sync(self, idx: int, op: CapacitySync, rank: int) -> simpy.Event:
+        """The drop-free gate's capacity all-reduce over ``rank``'s EP group, on the comm stream."""
+        group = self.groups[rank // self.ep]
+        return self._enqueue(rank, ("all_reduce", ("capacity", idx, rank // self.ep), group, op.nbytes,
+                                    "capacity_sync"))  # fmt: skip
+
     def _norm_reduce(self, rank: int) -> simpy.Event | None:
         """The gradient norm's fp32 all-reduces (data-parallel, then expert-data-parallel group)."""
         ev = None
@@ -341,6 +347,13 @@ class Engine:
                 if traced:
                     self._span(rank, "imbalance_wait", t, start, layer=op.layer, micro=op.micro)
                     self._span(rank, op.name, start, env.now, phase=op.phase, layer=op.layer, micro=op.micro)
+                t = env.now
+            elif isinstance(op, CapacitySync):
+                if t > env.now:
+                    yield env.timeout(t - env.now)
+                yield self._capacity_sync(idx, op, rank)
+                key["exposed_comm"][rank] += env.now - t
+                self._span(rank, "capacity_sync_wait", t, env.now, phase=op.phase, layer=op.layer, micro=op.micro)
                 t = env.now
             elif isinstance(op, GradReady):
                 if op.blocking:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import simpy
 
-from sim.schedule import AllToAll, Compute, Gather, GradReady, WaitGather
+from sim.schedule import AllToAll, CapacitySync, Compute, Gather, GradReady, WaitGather
 
 
 def _stamp(env: simpy.Environment, ev: simpy.Event, times: np.ndarray, i: int) -> None:
@@ -59,6 +59,24 @@ def group_proc(eng, gid: int):
                 eng._span(r, op.name, start, start + float(fin[r - lo]), phase=op.phase, layer=op.layer,
                           micro=op.micro)  # fmt: skip
             t = start + fin
+        elif isinstance(op, CapacitySync):
+            done = np.array(t)
+            evs = []
+            for i, r in enumerate(ranks):
+                holder = env.event()
+                evs.append(holder)
+
+                def fire_sync(r=r, holder=holder, op=op, idx=idx):
+                    eng._capacity_sync(idx, op, r).callbacks.append(lambda _e: holder.succeed())
+
+                eng._at(float(t[i]), fire_sync)
+                _stamp(env, holder, done, i)
+            yield env.all_of(evs)
+            key["exposed_comm"][lo:hi] += done - t
+            for r in traced:
+                eng._span(r, "capacity_sync_wait", float(t[r - lo]), float(done[r - lo]), phase=op.phase,
+                          layer=op.layer, micro=op.micro)  # fmt: skip
+            t = np.maximum(t, done)
         elif isinstance(op, GradReady):
             if op.blocking:
                 done = np.array(t)

@@ -127,6 +127,19 @@ class AllToAll:
 
 
 @dataclass
+class CapacitySync:
+    """DeepSpeed's drop-free gate (``drop_tokens=False``): the capacity (the largest expert load) is
+    all-reduced (MAX, int64) over the EP group in every MoE layer's forward, a blocking rendezvous
+    between the router and the permute (``sim.engine`` runs it on the comm stream and waits)."""
+
+    moe: int
+    layer: int
+    micro: int
+    phase: str
+    nbytes: float = 8.0
+
+
+@dataclass
 class GradReady:
     """Gradients of ``layer`` are ready for reduction: parameters per rank (non-expert, local expert)."""
 
@@ -297,7 +310,14 @@ class _Builder:
         if moe is None:
             self.compute([("attention", None), ("mlp", None)], phase, i, micro)
             return
-        self.compute([("attention", None), ("route", None), ("permute", moe)], phase, i, micro)
+        r = self.s.routing
+        if r.dispatch == "capacity_padded" and r.capacity_factor is None and self.s.ep > 1:
+            # DeepSpeed's drop_tokens=False gate: all-reduce (MAX) of the capacity over the EP group
+            self.compute([("attention", None), ("route", None)], phase, i, micro)
+            self.ops.append(CapacitySync(moe, i, micro, phase))
+            self.compute([("permute", moe)], phase, i, micro)
+        else:
+            self.compute([("attention", None), ("route", None), ("permute", moe)], phase, i, micro)
         self.ops.append(AllToAll("dispatch", "dispatch", moe, i, micro, phase))
         self.compute([("experts", moe)], phase, i, micro)
         self.ops.append(AllToAll("combine", "combine", moe, i, micro, phase))
@@ -442,5 +462,5 @@ def build_schedule(
     )
 
 
-__all__ = ["AllToAll", "Compute", "Gather", "GradReady", "Schedule", "Tail", "WaitGather", "apply_segment_noise",
+__all__ = ["AllToAll", "CapacitySync", "Compute", "Gather", "GradReady", "Schedule", "Tail", "WaitGather", "apply_segment_noise",
            "build_schedule"]

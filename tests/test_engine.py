@@ -288,3 +288,25 @@ def test_reduction_model_is_exact_at_any_size(kind):
     for nbytes in (1e3, 3.3e6, 7e8):
         ref = estimate_time_s(cl, reduction_dag(cl, kind, group, nbytes, "ring"))
         assert latency + per_byte * nbytes == pytest.approx(ref, rel=1e-9)
+
+
+@pytest.mark.parametrize("comm_model", ["ps", "flow"])
+def test_dropfree_gate_all_reduces_the_capacity_over_the_ep_group(comm_model):
+    """DeepSpeed's drop_tokens=False gate all-reduces (MAX) its capacity over the EP group in every
+    MoE layer's forward: one blocking 8-byte all-reduce between route and permute per MoE layer
+    and micro-batch, costing the ring's closed form when both ranks arrive together; none when
+    the capacity factor bounds the buffers."""
+    s = tiny("routing.capacity_factor=null", "routing.dispatch=capacity_padded")
+    r = simulate(s, comm_model=comm_model, trace_ranks={0, 1})
+    waits = [sp for sp in r["_spans"] if sp.name == "capacity_sync_wait"]
+    per_rank = s.model.num_moe_layers * s.training.grad_accum_steps
+    assert sorted(sp.rank for sp in waits) == [0] * per_rank + [1] * per_rank
+    per_byte, latency, _ = reduction_model(cluster_for(s), "all_reduce", [0, 1], "ring")
+    for sp in waits:
+        assert sp.end - sp.start == pytest.approx(latency + 8 * per_byte, rel=1e-9)
+        assert sp.args["phase"] == "fwd"
+    names = [sp.name for sp in r["_spans"] if sp.rank == 0 and sp.stream == "compute"]
+    i = names.index("capacity_sync_wait")
+    assert names[i - 1] == "route" and names[i + 1] == "permute"
+    capped = simulate(tiny("routing.capacity_factor=1.25", "routing.dispatch=capacity_padded"), trace_ranks={0, 1})
+    assert not [sp for sp in capped["_spans"] if sp.name == "capacity_sync_wait"]
