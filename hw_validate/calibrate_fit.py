@@ -167,6 +167,29 @@ def fit_optimizer(rows: list[dict], hbm_Bps: float) -> tuple[float, float]:
     return slope * hbm_Bps, c
 
 
+def fit_grad_hooks(rows: list[dict]) -> tuple[float, float] | None:
+    """(seconds per parameter, fixed seconds) of ZeRO's backward beyond plain autograd
+    (``zero_grad_hook_ns_per_param``, ``zero_grad_hook_overhead_us``) from the DeepSpeed optimizer
+    rows' ``grad_hooks_s`` at ``model_params``: ``t = c + P x slope``, least squares on relative
+    error, both >= 0. Each row gets ``fit_grad_hooks_s``."""
+    use = [r for r in rows if r.get("grad_hooks_s") is not None and r.get("model_params")]
+    if not use:
+        return None
+    from scipy.optimize import lsq_linear
+
+    p = np.array([r["model_params"] for r in use], dtype=np.float64)
+    t = np.maximum(np.array([r["grad_hooks_s"] for r in use], dtype=np.float64), 1e-9)
+    if len(p) == 1:
+        c, slope = 0.0, float(t[0] / p[0])
+    else:
+        A = np.stack([np.ones_like(p), p], axis=1) / t[:, None]
+        sol = lsq_linear(A, np.ones_like(p), bounds=([0.0, 0.0], [np.inf, np.inf]))
+        c, slope = float(sol.x[0]), float(sol.x[1])
+    for r in use:
+        r["fit_grad_hooks_s"] = c + slope * r["model_params"]
+    return slope, c
+
+
 def fit_dispatcher(rows: list[dict], gemm: GemmFit | None, hbm_Bps: float, launch_s: float) -> tuple[float, float] | None:
     """(seconds per eager op, bytes/s) of the token dispatcher (``dispatcher_op_us``,
     ``dispatcher_bw_GBps``) from :func:`hw_validate.microbench.bench_dispatcher` rows, through the
@@ -266,7 +289,8 @@ class CalibrationRun:
 STATS = ("median", "p25")
 #: per section: (field the fits read, field holding the lower quartile)
 _STAT_FIELDS = {"comm": [("time_s", "p25_s")], "gemm": [("time_s", "p25_s")], "memory": [("time_s", "p25_s")],
-                "optimizer": [("time_s", "p25_s")], "attention": [("fwd_s", "fwd_p25_s"), ("bwd_s", "bwd_p25_s")],
+                "optimizer": [("time_s", "p25_s"), ("grad_hooks_s", "grad_hooks_p25_s")],
+                "attention": [("fwd_s", "fwd_p25_s"), ("bwd_s", "bwd_p25_s")],
                 "launch": [("fwd_op_s", "fwd_op_p25_s"), ("bwd_op_s", "bwd_op_p25_s")],
                 "dispatcher": [(f"{p}_{d}_s", f"{p}_{d}_p25_s") for p in ("gate", "encode", "decode")
                                for d in ("fwd", "bwd")]}  # fmt: skip
@@ -319,6 +343,7 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
     bpp, overhead = fit_optimizer(raw["optimizer"], hbm_Bps) if raw["optimizer"] and hbm else (None, None)
     noise_rows = raw.get("noise") or []
     noise_cv = fit_noise(noise_rows)
+    hooks = fit_grad_hooks(raw["optimizer"]) if raw["optimizer"] else None
     disp_rows = raw.get("dispatcher") or []
     disp = fit_dispatcher(disp_rows, gemm.get("fp32"), hbm_Bps, launch_s) if disp_rows else None
     if disp is not None:
@@ -348,6 +373,8 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
         attention_efficiency=att,
         hbm_bw_GBps=hbm / 1e9 if hbm else None,
         kernel_launch_us=launch_s * 1e6,
+        zero_grad_hook_ns_per_param=hooks[0] * 1e9 if hooks is not None else None,
+        zero_grad_hook_overhead_us=hooks[1] * 1e6 if hooks is not None else None,
         dispatcher_op_us=disp[0] * 1e6 if disp is not None else None,
         dispatcher_bw_GBps=disp[1] / 1e9 if disp is not None else None,
         links=links,
@@ -423,6 +450,9 @@ def format_report(cal: Calibration) -> str:
         f"attention efficiency {num(cal.attention_efficiency, '.3f')}, optimizer "
         f"{num(cal.optimizer_bytes_per_param, '.1f')} B/param + {num(cal.optimizer_step_overhead_us, '.0f')} us per step"
     )
+    if cal.zero_grad_hook_ns_per_param is not None:
+        lines.append(f"ZeRO backward beyond autograd (gradient hooks, bucket copies): "
+                     f"{cal.zero_grad_hook_ns_per_param:.2f} ns per parameter + {cal.zero_grad_hook_overhead_us:.0f} us")
     df = cal.sweeps.get("dispatcher_fit")
     if cal.dispatcher_op_us is not None and df:
         lines.append(

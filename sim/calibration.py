@@ -24,6 +24,8 @@ replaces the topology's defaults where present::
       "cpu_adam_Gparams_per_s": 1.1,  # DeepSpeedCPUAdam update rate per node
       "optimizer_bytes_per_param": 32.0,  # device bytes moved per parameter by the GPU optimizer step
       "optimizer_step_overhead_us": 900.0,  # fixed cost of one optimizer step (framework bookkeeping)
+      "zero_grad_hook_ns_per_param": 8.0,  # ZeRO-1/2 backward beyond autograd, per parameter of the rank
+      "zero_grad_hook_overhead_us": 4000.0,  # ... and per backward
       "compute_noise_cv": 0.1,        # relative std of a rank's compute-segment time (rank-to-rank spread)
       "sweeps": {...}                 # raw measurements (kept for the record; not read by the simulator)
     }
@@ -111,6 +113,10 @@ class Calibration(StrictModel):
     cpu_adam_Gparams_per_s: float | None = Field(default=None, gt=0)
     optimizer_bytes_per_param: float | None = Field(default=None, gt=0)
     optimizer_step_overhead_us: float | None = Field(default=None, ge=0)
+    #: ZeRO-1/2's engine.backward() beyond plain autograd (gradient hooks, bucket copies): per
+    #: parameter of the rank, added with each layer's gradients, plus a fixed cost per backward
+    zero_grad_hook_ns_per_param: float | None = Field(default=None, ge=0)
+    zero_grad_hook_overhead_us: float | None = Field(default=None, ge=0)
     #: relative std of one rank's compute-segment time: every compute segment between two
     #: collectives (and the optimizer step) of every rank is scaled by its own lognormal draw of
     #: mean 1 (sim.schedule.apply_segment_noise), so the ranks reach each rendezvous apart

@@ -94,7 +94,7 @@ def dispatcher_work(piece: str, tokens: int, d: int, experts: int, k: int, slots
 #: FlashAttention-2 backward: 5 matmuls against the forward's 2, i.e. 2.5x the forward FLOPs.
 ATTENTION_BWD_FACTOR = 2.5
 COMPUTE_NAMES = (
-    "embedding", "attention", "route", "permute", "experts", "unpermute", "shared_experts", "mlp", "output",
+    "embedding", "attention", "route", "permute", "experts", "unpermute", "shared_experts", "mlp", "output", "grad_hooks",
 )  # fmt: skip
 
 
@@ -221,6 +221,20 @@ class _Builder:
         )
         full = np.ones(self.world)
         return self.cost.dispatcher_time(bytes_f * full, ops_f), self.cost.dispatcher_time(bytes_b * full, ops_b)
+
+    def grad_hooks(self, params: int, layer: int, micro: int, overhead: bool = False) -> None:
+        """ZeRO-1/2's backward beyond autograd (DeepSpeed's gradient hooks copying each gradient into
+        the reduce bucket, partition bookkeeping) for ``params`` parameters of the rank, when the
+        calibration measured it (``zero_grad_hook_*``); ``overhead``: plus its fixed cost."""
+        cal = self.cost.calibration
+        if cal is None or cal.zero_grad_hook_ns_per_param is None or self.s.parallelism.zero_stage not in (1, 2):
+            return
+        dur = params * cal.zero_grad_hook_ns_per_param * 1e-9
+        if overhead:
+            dur += (cal.zero_grad_hook_overhead_us or 0.0) * 1e-6
+        if dur > 0:
+            d = np.full((1, self.world), dur) * self.factor
+            self.ops.append(Compute(["grad_hooks"], d, np.zeros((1, self.world)), "bwd", layer, micro))
 
     def _mem(self, nbytes: float | np.ndarray, kernels: int = 1) -> np.ndarray:
         nb = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), (self.world,))
@@ -402,6 +416,7 @@ def build_schedule(
         b.compute([("output", None)], "fwd", m.num_layers, micro)
         b.compute([("output", None)], "bwd", m.num_layers, micro)
         if reduce_now and head:
+            b.grad_hooks(head, m.num_layers, micro)
             b.ops.append(GradReady(m.num_layers, head, 0, blocking=not overlap))
         bkeys = [("layer", micro, "bwd", i) for i in range(m.num_layers)]
         if stage == 3:
@@ -415,9 +430,11 @@ def build_schedule(
                 b.layer_forward(i, moe_index[i], micro, "recompute")
             b.layer_backward(i, moe_index[i], micro)
             if reduce_now:
+                b.grad_hooks(ne[i] + ex[i], i, micro)
                 b.ops.append(GradReady(i, ne[i], ex[i], blocking=not overlap))
         b.compute([("embedding", None)], "bwd", -1, micro)
         if reduce_now:
+            b.grad_hooks(emb, -1, micro, overhead=True)
             b.ops.append(GradReady(-1, emb, 0, flush=True, blocking=not overlap))
     if stage == 0:
         b.ops.append(GradReady(-1, sum(ne) + emb + head, sum(ex), flush=True))

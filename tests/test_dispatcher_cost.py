@@ -139,3 +139,49 @@ def test_uncalibrated_dispatcher_is_launch_plus_streaming(tmp_path):
     slow = simulate(_scenario(tmp_path, Calibration(kernel_launch_us=12.0, hbm_bw_GBps=20.0,
                                                     dispatcher_op_us=50.0), "slow"))  # fmt: skip
     assert slow["step_time_s"] > a["step_time_s"]
+
+
+def test_fit_grad_hooks_recovers_slope_and_overhead():
+    """Rows made by t = 4 ms + 9 ns x P: the fit returns both and every row's fitted time."""
+    from hw_validate.calibrate_fit import fit_grad_hooks
+
+    rows = [{"model_params": p, "grad_hooks_s": 4e-3 + 9e-9 * p} for p in (2e5, 8e5, 3.2e6)]
+    slope, c = fit_grad_hooks(rows)
+    assert slope == pytest.approx(9e-9, rel=1e-6) and c == pytest.approx(4e-3, rel=1e-6)
+    assert rows[1]["fit_grad_hooks_s"] == pytest.approx(4e-3 + 9e-9 * 8e5, rel=1e-9)
+    assert fit_grad_hooks([{"params": 10, "time_s": 1.0}]) is None  # torch-Adam rows: no hooks timed
+
+
+def _hook_ops(tmp_path, name, stage, **cal):
+    doc = yaml.safe_load(CPU2.read_text())
+    doc["parallelism"]["zero_stage"] = stage
+    save_calibration(tmp_path / f"{name}.json", Calibration(**cal))
+    doc["calibration"] = f"{name}.json"
+    p = tmp_path / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    s = load_scenario(p)
+    sched = build_schedule(s, route_scenario(s), cost_model(s), np.ones(s.world_size))
+    return s, sched, [op for op in sched.ops if isinstance(op, Compute) and op.names == ["grad_hooks"]]
+
+
+def test_zero2_backward_pays_calibrated_gradient_hooks_per_parameter(tmp_path):
+    """ZeRO-2 with zero_grad_hook_* calibrated: one grad_hooks op before every GradReady, each
+    costing ns x the parameters it hands over, the overhead once, at the flush; the sum over the
+    step is ns x the rank's parameters + overhead. Uncalibrated or ZeRO-0/3: no such op."""
+    from sim.schedule import GradReady
+
+    s, sched, hooks = _hook_ops(tmp_path, "z2", 2, zero_grad_hook_ns_per_param=10.0, zero_grad_hook_overhead_us=500.0)
+    ready = [op for op in sched.ops if isinstance(op, GradReady)]
+    assert len(hooks) == len(ready) > 2
+    params = sum(op.nonexpert + op.expert for op in ready)
+    total = sum(float(op.durs[0, 0]) for op in hooks)
+    assert total == pytest.approx(params * 10e-9 + 500e-6, rel=1e-9)
+    for i, op in enumerate(sched.ops):
+        if isinstance(op, Compute) and op.names == ["grad_hooks"]:
+            nxt = sched.ops[i + 1]
+            assert isinstance(nxt, GradReady)
+            extra = 500e-6 if nxt.flush else 0.0
+            assert float(op.durs[0, 1]) == pytest.approx((nxt.nonexpert + nxt.expert) * 10e-9 + extra, rel=1e-9)
+    for stage in (0, 3):
+        assert _hook_ops(tmp_path, f"z{stage}", stage, zero_grad_hook_ns_per_param=10.0)[2] == []
+    assert _hook_ops(tmp_path, "none", 2)[2] == []

@@ -64,6 +64,10 @@ def test_cli_prints_table_and_fits_and_writes_a_loadable_file(quick):
     for r in opt:
         assert r["impl"] == "deepspeed" and r["zero_stage"] == 2
         assert r["time_s"] > 0 and r["comm_s"] > 0  # ZeRO-2 all-gathers the updated partitions
+        # engine.backward() beyond plain autograd, for the whole local model (2 ranks: 2 partitions)
+        assert r["model_params"] == 2 * r["params"] and r["grad_hooks_s"] >= 0 and r["grad_comm_s"] > 0
+    assert cal.zero_grad_hook_ns_per_param is not None and cal.zero_grad_hook_overhead_us is not None
+    assert "ZeRO backward beyond autograd" in proc.stdout
     # DeepSpeed's token dispatcher at the scenario's shape (256 tokens a rank, d 128, 4 experts,
     # top-2, capacity factor 1.25: C = ceil(256 * 2 / 4 * 1.25) = 160), fitted within its bounds
     (disp,) = cal.sweeps["dispatcher"]
