@@ -393,7 +393,7 @@ def bench_optimizer_deepspeed(b: Bench, progress, zero_stage: int) -> list[dict]
             b.sync()
             dist.barrier()
 
-        def one_step() -> tuple[float, float, float, float]:
+        def one_step(engine=engine, x=x, plain=plain) -> tuple[float, float, float, float]:
             flush()
             timer.begin_step()
             with timer.phase("backward", "backward"):
@@ -468,23 +468,23 @@ def bench_dispatcher(b: Bench, progress) -> list[dict]:
         g = gts.detach().clone().requires_grad_()
         slots = _route_slots(ind, loc, experts, cap)
 
-        def gate_f():  # with autograd recording, as in the job
+        def gate_f(gate=gate, x=x):  # with autograd recording, as in the job
             gate(x, None, True)
 
-        def gate_fb():
+        def gate_fb(gate=gate, x=x):
             l_aux, _, _, _, _, gates, _ = gate(x, None, True)
             (l_aux + gates.sum()).backward()
 
-        def enc_f():
+        def enc_f(xe=xe, ind=ind, loc=loc, experts=experts, cap=cap):
             _sparse_encode(xe, _route_slots(ind, loc, experts, cap), experts, cap)
 
-        def enc_fb():
+        def enc_fb(xe=xe, ind=ind, loc=loc, experts=experts, cap=cap):
             _sparse_encode(xe, _route_slots(ind, loc, experts, cap), experts, cap).sum().backward()
 
-        def dec_f():
+        def dec_f(eo=eo, slots=slots, g=g, tokens=tokens):
             _sparse_decode(eo, slots, g, tokens)
 
-        def dec_fb():
+        def dec_fb(eo=eo, slots=slots, g=g, tokens=tokens):
             _sparse_decode(eo, slots, g, tokens).sum().backward()
 
         for _ in range(3):  # first calls of a shape (and of the first shape: lazy initialisation)
@@ -492,7 +492,7 @@ def bench_dispatcher(b: Bench, progress) -> list[dict]:
         row = {"tokens": tokens, "d": d, "experts": experts, "k": k, "capacity": cap, "slots": experts * cap,
                "drop_tokens": bool(drop), "bytes_per_element": torch.finfo(dt).bits // 8}  # fmt: skip
         for piece, fwd, both in (("gate", gate_f, gate_fb), ("encode", enc_f, enc_fb), ("decode", dec_f, dec_fb)):
-            (tf, qf), (tb, qb) = b.time_local(fwd, warm=lambda: x.sum()), b.time_local(both, warm=lambda: x.sum())
+            (tf, qf), (tb, qb) = b.time_local(fwd, warm=lambda x=x: x.sum()), b.time_local(both, warm=lambda x=x: x.sum())
             row.update({f"{piece}_fwd_s": tf, f"{piece}_fwd_p25_s": qf,
                         f"{piece}_bwd_s": max(tb - tf, 0.0), f"{piece}_bwd_p25_s": max(qb - qf, 0.0)})  # fmt: skip
         rows.append(row)

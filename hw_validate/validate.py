@@ -78,9 +78,7 @@ def predicted_phases(spans: list, world: int) -> dict[str, float]:
         if sp.stream == "comm":
             if sp.name == "grad_sync":
                 p["grad_sync"] += dur
-            elif sp.name == "grad_norm":
-                p["optimizer_comm"] += dur
-            elif sp.name == "param_gather" and opt_start[r] is not None:
+            elif sp.name == "grad_norm" or (sp.name == "param_gather" and opt_start[r] is not None):
                 p["optimizer_comm"] += dur
             else:
                 p["forward_comm"] += dur

@@ -49,11 +49,23 @@ def test_dispatcher_work_counts_deepspeeds_ops_and_bytes():
     (2EC + 5kS + S) d and (3EC + 7kS) d; the gate reads/writes 3 S E fp32 values per op pass."""
     S, d, E, k, slots = 512, 128, 8, 2, 8 * 80
     assert dispatcher_work("encode", S, d, E, k, slots, True, 4) == (
-        PERMUTE_OPS[0], (2 * S + 2 * slots) * d * 4, PERMUTE_OPS[1], (2 * S + 3 * slots) * d * 4)
+        PERMUTE_OPS[0],
+        (2 * S + 2 * slots) * d * 4,
+        PERMUTE_OPS[1],
+        (2 * S + 3 * slots) * d * 4,
+    )
     assert dispatcher_work("decode", S, d, E, k, slots, True, 2) == (
-        UNPERMUTE_OPS[0], (2 * slots + 5 * k * S + S) * d * 2, UNPERMUTE_OPS[1], (3 * slots + 7 * k * S) * d * 2)
-    assert dispatcher_work("gate", S, d, E, 3, slots, False, 4) == (*GATE_OPS[("k", False)][:1], 3 * S * E * 4,
-                                                                    GATE_OPS[("k", False)][1], 3 * S * E * 4)
+        UNPERMUTE_OPS[0],
+        (2 * slots + 5 * k * S + S) * d * 2,
+        UNPERMUTE_OPS[1],
+        (3 * slots + 7 * k * S) * d * 2,
+    )
+    assert dispatcher_work("gate", S, d, E, 3, slots, False, 4) == (
+        *GATE_OPS[("k", False)][:1],
+        3 * S * E * 4,
+        GATE_OPS[("k", False)][1],
+        3 * S * E * 4,
+    )
     with pytest.raises(ValueError, match="unknown dispatcher piece"):
         dispatcher_work("scatter", S, d, E, k, slots, True, 4)
 
@@ -115,7 +127,9 @@ def test_schedule_prices_permute_and_unpermute_by_calibrated_op_cost(tmp_path):
     GATE_OPS x 100 us to the route; without the dispatcher fields nothing but the launch is paid."""
     base = dict(kernel_launch_us=0.0, hbm_bw_GBps=1e9)
     plain = _durations(_scenario(tmp_path, Calibration(**base), "plain"))
-    cal = _durations(_scenario(tmp_path, Calibration(**base, dispatcher_op_us=100.0, dispatcher_bw_GBps=1e9), "cal"))
+    cal = _durations(
+        _scenario(tmp_path, Calibration(**base, dispatcher_op_us=100.0, dispatcher_bw_GBps=1e9), "cal")
+    )
     for name, (f, b) in (("permute", PERMUTE_OPS), ("unpermute", UNPERMUTE_OPS)):
         for phase, ops in (("fwd", f), ("bwd", b)):
             for dur in cal[(name, phase)]:
@@ -132,7 +146,9 @@ def test_uncalibrated_dispatcher_is_launch_plus_streaming(tmp_path):
     """No dispatcher fields: the dispatcher costs what it did before they existed (one launch per
     op, bytes at the memory bandwidth); with them set to exactly those values, the step is the same."""
     cal = Calibration(kernel_launch_us=12.0, hbm_bw_GBps=20.0)
-    same = Calibration(kernel_launch_us=12.0, hbm_bw_GBps=20.0, dispatcher_op_us=12.0, dispatcher_bw_GBps=20.0)
+    same = Calibration(
+        kernel_launch_us=12.0, hbm_bw_GBps=20.0, dispatcher_op_us=12.0, dispatcher_bw_GBps=20.0
+    )
     a = simulate(_scenario(tmp_path, cal, "a"))
     b = simulate(_scenario(tmp_path, same, "b"))
     assert a["step_time_s"] == b["step_time_s"]
@@ -170,7 +186,9 @@ def test_zero2_backward_pays_calibrated_gradient_hooks_per_parameter(tmp_path):
     step is ns x the rank's parameters + overhead. Uncalibrated or ZeRO-0/3: no such op."""
     from sim.schedule import GradReady
 
-    s, sched, hooks = _hook_ops(tmp_path, "z2", 2, zero_grad_hook_ns_per_param=10.0, zero_grad_hook_overhead_us=500.0)
+    s, sched, hooks = _hook_ops(
+        tmp_path, "z2", 2, zero_grad_hook_ns_per_param=10.0, zero_grad_hook_overhead_us=500.0
+    )
     ready = [op for op in sched.ops if isinstance(op, GradReady)]
     assert len(hooks) == len(ready) > 2
     params = sum(op.nonexpert + op.expert for op in ready)
@@ -181,7 +199,9 @@ def test_zero2_backward_pays_calibrated_gradient_hooks_per_parameter(tmp_path):
             nxt = sched.ops[i + 1]
             assert isinstance(nxt, GradReady)
             extra = 500e-6 if nxt.flush else 0.0
-            assert float(op.durs[0, 1]) == pytest.approx((nxt.nonexpert + nxt.expert) * 10e-9 + extra, rel=1e-9)
+            assert float(op.durs[0, 1]) == pytest.approx(
+                (nxt.nonexpert + nxt.expert) * 10e-9 + extra, rel=1e-9
+            )
     for stage in (0, 3):
         assert _hook_ops(tmp_path, f"z{stage}", stage, zero_grad_hook_ns_per_param=10.0)[2] == []
     assert _hook_ops(tmp_path, "none", 2)[2] == []

@@ -25,9 +25,11 @@ STATS = ("median", "p25")
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
-        "Run collective (all_to_all_single, all_reduce), GEMM, attention, memory, kernel-launch and "
-        "optimizer microbenchmarks as a real job on N local ranks, fit the simulator's link "
-        "alpha/bandwidth and kernel-efficiency models to them, and write a calibration JSON."
+        "Run collective (all_to_all_single, all_reduce), GEMM, attention, memory, kernel-launch, "
+        "optimizer (DeepSpeed's ZeRO step and backward when DeepSpeed is installed), token-dispatcher "
+        "(DeepSpeed's gate, sparse encode/decode) and rank-to-rank compute-noise microbenchmarks as a "
+        "real job on N local ranks, fit the simulator's link alpha/bandwidth and kernel-cost models "
+        "to them, and write a calibration JSON."
     )
     parser.epilog = (
         "example: moesim calibrate --nproc 2 --scenario scenarios/cpu-2rank.yaml --out calib.json; "
