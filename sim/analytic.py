@@ -66,6 +66,7 @@ def analytic_step(s, sched: Schedule, plan, cluster, cost) -> dict[str, Any]:
     bucket = s.collectives.reduce_bucket_elements * bpe
     acc = [0.0, 0.0]
     edp_group = s.edp_groups()[0]
+    ep_group = s.ep_groups()[0]
     dp_group = list(range(s.world_size))
     clock = comm_free = 0.0  # compute-stream clock; when the comm stream is next free
     gathers: dict[tuple, float] = {}
@@ -92,7 +93,7 @@ def analytic_step(s, sched: Schedule, plan, cluster, cost) -> dict[str, Any]:
             a2a += t
             clock += t
         elif isinstance(op, CapacitySync):  # blocking all-reduce over the EP group, after the comm stream
-            wait_until(on_comm(red_time("all_reduce", s.ep_groups()[0], op.nbytes)))
+            wait_until(on_comm(red_time("all_reduce", ep_group, op.nbytes)))
         elif isinstance(op, GradReady):
             acc[0] += op.nonexpert * bpe
             acc[1] += op.expert * bpe

@@ -279,15 +279,21 @@ class Engine:
                 acc[which] = 0.0
         return out
 
-    def _gather(self, rank: int, key: tuple, nonexpert: int, expert: int) -> simpy.Event:
-        s, bpe = self, self.sched.param_bytes_per_param
+    def _over_dp_edp(self, rank: int, kind: str, key: tuple, ne_bytes: float, ex_bytes: float,
+                     name: str) -> simpy.Event | None:  # fmt: skip
+        """``kind`` over the data-parallel group (``ne_bytes``) and ``rank``'s expert-data-parallel
+        group (``ex_bytes``), where the group has peers and there are bytes; the last event or None."""
         ev = None
-        if s.dp > 1 and nonexpert:
-            ev = self._enqueue(rank, ("all_gather", key + ("ne",), self.dp_group, nonexpert * bpe,
-                                      "param_gather"))  # fmt: skip
-        if s.edp > 1 and expert:
-            group = self.edp_groups[rank % s.ep]
-            ev = self._enqueue(rank, ("all_gather", key + ("ex", rank % s.ep), group, expert * bpe, "param_gather"))
+        if self.dp > 1 and ne_bytes:
+            ev = self._enqueue(rank, (kind, key + ("ne",), self.dp_group, ne_bytes, name))
+        if self.edp > 1 and ex_bytes:
+            group = self.edp_groups[rank % self.ep]
+            ev = self._enqueue(rank, (kind, key + ("ex", rank % self.ep), group, ex_bytes, name))
+        return ev
+
+    def _gather(self, rank: int, key: tuple, nonexpert: int, expert: int) -> simpy.Event:
+        bpe = self.sched.param_bytes_per_param
+        ev = self._over_dp_edp(rank, "all_gather", key, nonexpert * bpe, expert * bpe, "param_gather")
         return ev if ev is not None else event_at(self.env, 0.0)
 
     def _capacity_sync(self, idx: int, op: CapacitySync, rank: int) -> simpy.Event:
@@ -298,13 +304,7 @@ class Engine:
 
     def _norm_reduce(self, rank: int) -> simpy.Event | None:
         """The gradient norm's fp32 all-reduces (data-parallel, then expert-data-parallel group)."""
-        ev = None
-        if self.dp > 1:
-            ev = self._enqueue(rank, ("all_reduce", ("grad_norm", "ne"), self.dp_group, 4.0, "grad_norm"))
-        if self.edp > 1:
-            group = self.edp_groups[rank % self.ep]
-            ev = self._enqueue(rank, ("all_reduce", ("grad_norm", "ex", rank % self.ep), group, 4.0, "grad_norm"))
-        return ev
+        return self._over_dp_edp(rank, "all_reduce", ("grad_norm",), 4.0, 4.0, "grad_norm")
 
     # ---- compute stream -----------------------------------------------------------------------
     def _span(self, rank: int, name: str, start: float, end: float, **args) -> None:

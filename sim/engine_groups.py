@@ -29,6 +29,27 @@ def _stamp(env: simpy.Environment, ev: simpy.Event, times: np.ndarray, i: int) -
         ev.callbacks.append(cb)
 
 
+def _block(env: simpy.Environment, eng, ranks: list[int], t: np.ndarray, start):
+    """Each rank of ``ranks`` calls ``start(rank)`` (its comm event or events) at its own time
+    ``t[i]`` and waits for them; returns when each rank's wait ended (``yield from`` it)."""
+    done = np.array(t)
+    evs = []
+    for i, r in enumerate(ranks):
+        holder = env.event()
+        evs.append(holder)
+
+        def fire(r=r, holder=holder):
+            got = start(r)  # one event, or a list of them (possibly empty)
+            if isinstance(got, list):
+                got = env.all_of(got) if got else env.timeout(0)
+            got.callbacks.append(lambda _e: holder.succeed())
+
+        eng._at(float(t[i]), fire)
+        _stamp(env, holder, done, i)
+    yield env.all_of(evs)
+    return done
+
+
 def group_proc(eng, gid: int):
     """Compute streams of EP group ``gid`` (see the module docstring)."""
     env, key, ep = eng.env, eng.key, eng.ep
@@ -60,18 +81,7 @@ def group_proc(eng, gid: int):
                           micro=op.micro)  # fmt: skip
             t = start + fin
         elif isinstance(op, CapacitySync):
-            done = np.array(t)
-            evs = []
-            for i, r in enumerate(ranks):
-                holder = env.event()
-                evs.append(holder)
-
-                def fire_sync(r=r, holder=holder, op=op, idx=idx):
-                    eng._capacity_sync(idx, op, r).callbacks.append(lambda _e: holder.succeed())
-
-                eng._at(float(t[i]), fire_sync)
-                _stamp(env, holder, done, i)
-            yield env.all_of(evs)
+            done = yield from _block(env, eng, ranks, t, lambda r, op=op, idx=idx: eng._capacity_sync(idx, op, r))
             key["exposed_comm"][lo:hi] += done - t
             for r in traced:
                 eng._span(r, "capacity_sync_wait", float(t[r - lo]), float(done[r - lo]), phase=op.phase,
@@ -79,19 +89,7 @@ def group_proc(eng, gid: int):
             t = np.maximum(t, done)
         elif isinstance(op, GradReady):
             if op.blocking:
-                done = np.array(t)
-                evs = []
-                for i, r in enumerate(ranks):
-                    holder = env.event()
-                    evs.append(holder)
-
-                    def fire(r=r, holder=holder, op=op):
-                        got = eng._grads(r, op, accs[r], seqs[r])
-                        (env.all_of(got) if got else env.timeout(0)).callbacks.append(lambda _e: holder.succeed())
-
-                    eng._at(float(t[i]), fire)
-                    _stamp(env, holder, done, i)
-                yield env.all_of(evs)
+                done = yield from _block(env, eng, ranks, t, lambda r, op=op: eng._grads(r, op, accs[r], seqs[r]))
                 key["exposed_comm"][lo:hi] += done - t
                 for r in traced:
                     eng._span(r, "grad_sync_wait", float(t[r - lo]), float(done[r - lo]))

@@ -1,4 +1,5 @@
-"""Shared fixtures: paths of the repository and a helper that runs the real ``moesim`` CLI."""
+"""Shared fixtures: paths of the repository, a helper that runs the real ``moesim`` CLI, and one
+that writes a scenario pointing at a calibration file."""
 
 from __future__ import annotations
 
@@ -21,6 +22,24 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
         text=True,
         timeout=timeout,
     )
+
+
+def calibrated_scenario(cal, d: Path, name: str = "s", base: Path | None = None, edit=None) -> Path:
+    """``base`` (default scenarios/cpu-2rank.yaml) written to ``d/name.yaml`` with ``calibration:``
+    naming ``cal`` saved as ``d/name.json`` (a path relative to the scenario file); ``edit(doc)``
+    changes the YAML document first."""
+    import yaml
+
+    from sim.calibration import save_calibration
+
+    save_calibration(d / f"{name}.json", cal)
+    doc = yaml.safe_load((base or SCENARIOS / "cpu-2rank.yaml").read_text())
+    if edit is not None:
+        edit(doc)
+    doc["calibration"] = f"{name}.json"
+    p = d / f"{name}.yaml"
+    p.write_text(yaml.safe_dump(doc))
+    return p
 
 
 @pytest.fixture

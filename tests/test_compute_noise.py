@@ -10,16 +10,15 @@ import math
 
 import numpy as np
 import pytest
-import yaml
 
 from hw_validate.calibrate_fit import fit_noise
-from sim.calibration import Calibration, save_calibration
+from sim.calibration import Calibration
 from sim.faults import KernelJitter
 from sim.routing import route_scenario
 from sim.scenario import load_scenario
 from sim.schedule import Compute, build_schedule
 from sim.simulate import cost_model, simulate
-from tests.conftest import SCENARIOS
+from tests.conftest import SCENARIOS, calibrated_scenario
 
 CPU2 = SCENARIOS / "cpu-2rank.yaml"
 
@@ -45,12 +44,7 @@ def test_fit_noise_recovers_normal_spread_over_ranks():
 
 
 def _with_cv(tmp_path, cv, name):
-    save_calibration(tmp_path / f"{name}.json", Calibration(compute_noise_cv=cv))
-    doc = yaml.safe_load(CPU2.read_text())
-    doc["calibration"] = f"{name}.json"
-    p = tmp_path / f"{name}.yaml"
-    p.write_text(yaml.safe_dump(doc))
-    return load_scenario(p)
+    return load_scenario(calibrated_scenario(Calibration(compute_noise_cv=cv), tmp_path, name))
 
 
 def _schedule(s):

@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import yaml
 
 from hw_validate.calibrate_fit import dispatcher_errors, fit_dispatcher
-from sim.calibration import Calibration, GemmFit, save_calibration
+from sim.calibration import Calibration, GemmFit
 from sim.routing import route_scenario
 from sim.scenario import load_scenario
 from sim.schedule import (
@@ -23,9 +22,8 @@ from sim.schedule import (
     dispatcher_work,
 )
 from sim.simulate import cost_model, simulate
-from tests.conftest import SCENARIOS
+from tests.conftest import calibrated_scenario
 
-CPU2 = SCENARIOS / "cpu-2rank.yaml"
 SHAPES = [(256, 128, 4, 2, 160, True), (512, 128, 8, 1, 64, True), (512, 192, 8, 3, 207, False),
           (1024, 128, 16, 2, 256, True)]  # fmt: skip
 
@@ -103,12 +101,7 @@ def test_fit_bounds_op_cost_by_a_launch_and_bandwidth_by_streaming():
 
 
 def _scenario(tmp_path, cal, name):
-    save_calibration(tmp_path / f"{name}.json", cal)
-    doc = yaml.safe_load(CPU2.read_text())
-    doc["calibration"] = f"{name}.json"
-    p = tmp_path / f"{name}.yaml"
-    p.write_text(yaml.safe_dump(doc))
-    return load_scenario(p)
+    return load_scenario(calibrated_scenario(cal, tmp_path, name))
 
 
 def _durations(s):
@@ -169,13 +162,9 @@ def test_fit_grad_hooks_recovers_slope_and_overhead():
 
 
 def _hook_ops(tmp_path, name, stage, **cal):
-    doc = yaml.safe_load(CPU2.read_text())
-    doc["parallelism"]["zero_stage"] = stage
-    save_calibration(tmp_path / f"{name}.json", Calibration(**cal))
-    doc["calibration"] = f"{name}.json"
-    p = tmp_path / f"{name}.yaml"
-    p.write_text(yaml.safe_dump(doc))
-    s = load_scenario(p)
+    s = load_scenario(
+        calibrated_scenario(Calibration(**cal), tmp_path, name, edit=lambda d: d["parallelism"].update(zero_stage=stage))
+    )
     sched = build_schedule(s, route_scenario(s), cost_model(s), np.ones(s.world_size))
     return s, sched, [op for op in sched.ops if isinstance(op, Compute) and op.names == ["grad_hooks"]]
 

@@ -11,12 +11,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from sim.calibration import Calibration, GemmFit, LinkFit, load_calibration, save_calibration
 from sim.scenario import load_scenario
 from sim.simulate import simulate
-from tests.conftest import run_cli
+from tests.conftest import calibrated_scenario, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU2 = ROOT / "scenarios" / "cpu-2rank.yaml"
@@ -117,12 +116,7 @@ def test_fitted_link_reproduces_the_measured_sweep(quick):
 
 
 def _scenario_with(cal: Calibration, d: Path, name: str = "s") -> Path:
-    save_calibration(d / f"{name}.json", cal)
-    doc = yaml.safe_load(CPU2.read_text())
-    doc["calibration"] = f"{name}.json"  # relative to the scenario file
-    p = d / f"{name}.yaml"
-    p.write_text(yaml.safe_dump(doc))
-    return p
+    return calibrated_scenario(cal, d, name, base=CPU2)
 
 
 def test_simulate_consumes_link_bandwidth(tmp_path):
