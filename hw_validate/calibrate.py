@@ -49,7 +49,8 @@ import numpy as np
 
 from hw_validate.calibrate_fit import STATS, CalibrationRun, bench_cluster, fit_all, format_report
 from hw_validate.diagnose import cause_of
-from hw_validate.launch import JobError, free_port, launcher_head, stop_group
+from hw_validate.jit_ops import accelerator_of, needed_ops
+from hw_validate.launch import JobError, free_port, launcher_head, prepare_ops, stop_group
 from sim.calibration import save_calibration
 from sim.errors import InputError
 
@@ -211,6 +212,21 @@ def build_spec(
 
 
 # ---- running the job ------------------------------------------------------------------------------
+class _ByteTail(deque):
+    """The last ``limit`` bytes of the job's output, in the chunks they came in: tqdm redraws its bar
+    in tiny chunks, so a count of chunks would lose the traceback that says why a rank failed."""
+
+    def __init__(self, limit: int = 256 * 1024):
+        super().__init__()
+        self.limit, self.size = limit, 0
+
+    def append(self, chunk: bytes) -> None:
+        super().append(chunk)
+        self.size += len(chunk)
+        while self.size > self.limit and len(self) > 1:
+            self.size -= len(self.popleft())
+
+
 def _pump(stream, log_path: Path, echo: bool, tail: deque) -> None:
     """Copy the job's output to its log (and to our stderr), in raw chunks so tqdm's bar redraws."""
     with stream, open(log_path, "wb") as log:
@@ -248,8 +264,15 @@ def run_microbench(
     env.setdefault("PYTHONUNBUFFERED", "1")
     if spec.get("backend") == "gloo":
         env.setdefault("DS_ACCELERATOR", "cpu")
+    uses_ds = launcher == "deepspeed" or (spec.get("optimizer") or {}).get("impl") == "deepspeed"
+    if uses_ds and accelerator_of(env) == "cpu":
+        try:
+            prepare_ops(needed_ops("cpu", None), env, timeout_s, echo)
+        except JobError:
+            shutil.rmtree(work, ignore_errors=True)
+            raise
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    tail: deque = deque(maxlen=64)
+    tail = _ByteTail()
     pump = threading.Thread(target=_pump, args=(proc.stdout, log_path, echo, tail), daemon=True)
     pump.start()
     try:

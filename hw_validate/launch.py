@@ -41,6 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hw_validate.diagnose import cause_of, explain_exit, explain_timeout, read_states
+from hw_validate.jit_ops import BuildError, accelerator_of, needed_ops, prepare
 from sim.errors import InputError
 from sim.scenario import load_scenario
 
@@ -214,6 +215,11 @@ def run_job(
     run_env.update(MOESIM_RUN_DIR=str(staging), MOESIM_LAUNCHER=launcher, PYTHONUNBUFFERED="1")
     root = str(HERE.parent)
     run_env["PYTHONPATH"] = root + (os.pathsep + run_env["PYTHONPATH"] if run_env.get("PYTHONPATH") else "")
+    try:
+        prepare_ops(needed_ops(accelerator_of(run_env), scen.training.offload_optimizer), run_env, timeout_s, echo)
+    except JobError:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=run_env, start_new_session=True)
     keep: collections.deque = collections.deque(maxlen=40)
@@ -258,6 +264,19 @@ def run_job(
     os.replace(staging / "job.log", logs / "job.log")
     shutil.rmtree(staging, ignore_errors=True)
     return JobResult(out, out / MEASUREMENT_FILE, out / TRACE_FILE, logs, wall, cmd)
+
+
+def prepare_ops(ops: list[str], env: dict[str, str], timeout_s: float, echo: bool) -> None:
+    """Compile the DeepSpeed ops the job loads (once) and clear locks left by killed builds, before
+    the ranks start (see :mod:`hw_validate.jit_ops`); a failed compile is a :class:`JobError`."""
+    def log(msg: str) -> None:
+        if echo:
+            print(msg, file=sys.stderr, flush=True)
+
+    try:
+        prepare(ops, env=env, timeout_s=timeout_s, log=log)
+    except BuildError as e:
+        raise JobError(str(e)) from None
 
 
 def _keep_failed(staging: Path, out: Path) -> Path:
