@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         note = f"one full calibration over all {len(scens)} scenarios, made right before the jobs"
     report = format_report(load_calibration(cal_path))
     jobs: dict[str, list[dict]] = {p.stem: [] for p in scens}
-    for rnd in range(args.repeat):  # rounds over all scenarios, so that a slow spell hits every scenario alike
+    # rounds over all the scenarios, so that a slow spell of the VM hits every scenario alike
+    for rnd in range(args.repeat):
         for p in scens:
             rel = p.relative_to(ROOT)
             keep = Path(args.runs) / p.stem / (f"job{rnd + 1}" if args.repeat > 1 else "")
