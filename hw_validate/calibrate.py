@@ -206,6 +206,10 @@ def build_spec(
         # mostly launch jitter, which NCCL's queued calls absorb)
         "noise": {"segments_s": [] if gpu else ([0.002, 0.008] if quick else [0.001, 0.003, 0.01]),
                   "calls": 10 if quick else 30},
+        # late wake-ups after a blocking collective (microbench.bench_wake): CPU ranks only (gloo's
+        # helper threads share the cores with the ranks' compute; NCCL on GPUs has no such wait)
+        "wake": {"segments_s": [] if gpu else ([0.002, 0.006] if quick else [0.001, 0.002, 0.004, 0.008]),
+                 "calls": 20 if quick else 60, "bytes": 65536},
         "flush_bytes": 0 if gpu else 32 * 1024 * 1024,
         "cold_iters": 4,
     }

@@ -268,6 +268,39 @@ def fit_noise(rows: list[dict]) -> float | None:
     return float(np.mean(cvs)) if cvs else None
 
 
+def fit_wake(rows: list[dict]) -> tuple[float, float] | None:
+    """``(wake_delay_p, wake_delay_cap_s)`` from :func:`hw_validate.microbench.bench_wake` rows,
+    each annotated in place with ``mean_spread_s`` and ``fit_spread_s``.
+
+    Model (:func:`sim.schedule.apply_wake_delay`): after a blocking call, with probability ``p`` one
+    rank resumes ``min(seg, cap)`` late, ``seg`` the compute segment that follows. So the mean exit
+    spread at segment ``seg`` is ``base + p min(seg, cap)``, ``base`` the spread with nothing after
+    the call (row ``segment_s`` 0: the collective's own exit skew, which the link fit already
+    holds). Least squares: for each ``cap`` on a grid (0.25-32 ms) ``p`` is closed form, clipped to
+    [0, 1]; the pair with the smallest squared error wins (ties: the smaller cap). None without a
+    zero-segment row and at least two longer ones."""
+    base_rows = [r for r in rows if r["segment_s"] == 0 and r["exit_spread_s"]]
+    longer = [r for r in rows if r["segment_s"] > 0 and r["exit_spread_s"]]
+    for r in rows:
+        r["mean_spread_s"] = float(np.mean(r["exit_spread_s"])) if r["exit_spread_s"] else None
+    if not base_rows or len(longer) < 2:
+        return None
+    base = float(np.mean([r["mean_spread_s"] for r in base_rows]))
+    seg = np.array([r["segment_s"] for r in longer])
+    extra = np.array([r["mean_spread_s"] for r in longer]) - base
+    best = None
+    for cap in np.geomspace(2.5e-4, 3.2e-2, 85):
+        f = np.minimum(seg, cap)
+        p = float(np.clip((f @ extra) / (f @ f), 0.0, 1.0))
+        sse = float(((p * f - extra) ** 2).sum())
+        if best is None or sse < best[0] * (1 - 1e-9):
+            best = (sse, p, float(cap))
+    _, p, cap = best
+    for r in rows:
+        r["fit_spread_s"] = base + p * min(r["segment_s"], cap)
+    return p, cap
+
+
 def comm_table(rows: list[dict]) -> list[dict]:
     """nccl-tests-style rows: size, time, algbw, busbw (GB/s = 1e9 B/s)."""
     from sim.collectives_analytic import bandwidths_GBps
@@ -343,6 +376,8 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
     bpp, overhead = fit_optimizer(raw["optimizer"], hbm_Bps) if raw["optimizer"] and hbm else (None, None)
     noise_rows = raw.get("noise") or []
     noise_cv = fit_noise(noise_rows)
+    wake_rows = raw.get("wake") or []
+    wake = fit_wake(wake_rows)
     hooks = fit_grad_hooks(raw["optimizer"]) if raw["optimizer"] else None
     disp_rows = raw.get("dispatcher") or []
     disp = fit_dispatcher(disp_rows, gemm.get("fp32"), hbm_Bps, launch_s) if disp_rows else None
@@ -381,6 +416,8 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
         optimizer_bytes_per_param=bpp,
         optimizer_step_overhead_us=overhead * 1e6 if overhead is not None else None,
         compute_noise_cv=noise_cv,
+        wake_delay_p=wake[0] if wake is not None else None,
+        wake_delay_cap_s=wake[1] if wake is not None else None,
         sweeps={
             "stat": stat,
             "comm": table,
@@ -393,6 +430,7 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
             "dispatcher": disp_rows,
             "dispatcher_fit": report.get("dispatcher"),
             "noise": noise_rows,
+            "wake": wake_rows,
             "spec": {k: v for k, v in spec.items() if k != "gemm"},
             "wall_s": raw.get("wall_s"),
             "command": raw.get("command"),
@@ -464,4 +502,10 @@ def format_report(cal: Calibration) -> str:
     if cal.compute_noise_cv is not None:
         each = ", ".join(f"{r['segment_s'] * 1e3:g} ms {r['cv']:.3f}" for r in noise if "cv" in r)
         lines.append(f"compute noise: cv {cal.compute_noise_cv:.3f} of a rank's segment time" + (f" ({each})" if each else ""))
+    if cal.wake_delay_p is not None and cal.wake_delay_cap_s is not None:
+        wk = cal.sweeps.get("wake") or []
+        each = ", ".join(f"{r['segment_s'] * 1e3:g} ms {r['mean_spread_s'] * 1e3:.2f}" for r in wk
+                         if r.get("mean_spread_s") is not None)  # fmt: skip
+        lines.append(f"late wake-ups after a blocking call: p {cal.wake_delay_p:.3f}, cap {cal.wake_delay_cap_s * 1e3:.2f} ms"
+                     + (f" (mean exit spread by following segment: {each})" if each else ""))  # fmt: skip
     return "\n".join(lines)

@@ -17,7 +17,8 @@ Launched by :mod:`hw_validate.calibrate` (``moesim calibrate``) with ``torchrun`
      "dispatcher": [[tokens, d, experts, k, capacity_factor, min_capacity, drop_tokens], ...],  # DeepSpeed's gate/permute
      "reps": 5, "target_s": 0.02,
      "flush_bytes": 33554432, "cold_iters": 4,      # optional: cold-cache compute timing
-     "noise": {"segments_s": [0.001, 0.004], "calls": 20}}  # optional: rank-to-rank compute spread
+     "noise": {"segments_s": [0.001, 0.004], "calls": 20},  # optional: rank-to-rank compute spread
+     "wake": {"segments_s": [0.001, 0.002, 0.004, 0.008], "calls": 40, "bytes": 65536}}  # optional (CPU)
 
 Cold caches (``flush_bytes`` > 0, what ``moesim calibrate`` asks for on CPU ranks): every timed GEMM
 and optimizer step is preceded by a read of a buffer larger than the last-level cache, because in
@@ -547,11 +548,63 @@ def bench_noise(b: Bench, world: int, progress) -> list[dict]:
     return rows
 
 
+def bench_wake(b: Bench, world: int, progress) -> list[dict]:
+    """Late wake-ups after a blocking collective (``wake: {"segments_s": [...], "calls": N, "bytes": B}``).
+
+    Every call: a barrier, 1 ms of GEMMs on every rank, an ``all_to_all_single`` of ``bytes`` per
+    rank, then a compute segment of each of ``segments_s`` -- as a layer's all-to-all is followed by
+    the next op's compute. Each rank records when it left the collective; the row keeps, per call,
+    the spread of the exits (last rank's exit - first rank's). Measured on this VM (2 ranks, 1
+    thread each, 2 vCPUs, 2026-12-04): with nothing after the call the ranks leave within
+    0.1-0.3 ms; with a 2 ms segment after it, one call in 3-5 has one rank leaving 1-2.5 ms late
+    (gloo's completion wakes it on the core the peer is computing on, so it waits for the peer's
+    segment to end); in the e8-top1-t512 job the exit spreads are 0 or 0.5-4.3 ms. The fit
+    (:func:`hw_validate.calibrate_fit.fit_wake`) gives ``wake_delay_p`` and ``wake_delay_cap_s``."""
+    cfg = b.spec.get("wake") or {}
+    rows: list[dict] = []
+    if world < 2 or not cfg.get("segments_s"):
+        return rows
+    a = torch.randn(256, 256, device=b.device)
+    w = torch.randn(256, 256, device=b.device)
+    n = int(cfg.get("bytes", 65536)) // 4 // world * world
+    x = torch.ones(max(world, n), device=b.device)
+    y = torch.empty_like(x)
+
+    def gemm():
+        torch.mm(a, w)
+
+    per = b.iters_for(gemm, agree=True, target_s=1e-3)  # GEMMs per ms, the same on every rank
+    calls = int(cfg.get("calls", 40))
+    dist.all_to_all_single(y, x)
+    for seg in [0.0, *cfg["segments_s"]]:
+        after = max(0, round(per * float(seg) / 1e-3))
+        exits = []
+        for _ in range(calls):
+            dist.barrier()
+            for _ in range(per):
+                gemm()
+            dist.all_to_all_single(y, x)
+            exits.append(time.perf_counter())
+            for _ in range(after):
+                gemm()
+        t = torch.tensor(exits, dtype=torch.float64, device=b.device)
+        parts = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(parts, t)  # perf_counter is one clock for the ranks of one host
+        every = torch.stack(parts)
+        spread = (every.max(0).values - every.min(0).values).cpu().tolist()
+        rows.append({"segment_s": float(seg), "gemms_after": after, "calls": calls, "bytes": n * 4,
+                     "exit_spread_s": spread})  # fmt: skip
+        progress.update()
+    return rows
+
+
 def _count(spec: dict, world: int) -> int:
     c = spec.get("comm") or {}
     n_comm = len(c.get("kinds", ())) * len(c.get("sizes", ())) if world > 1 else 0
     per_dtype = len(spec.get("gemm", ())) + len(spec.get("attention", ()))
     n_noise = len((spec.get("noise") or {}).get("segments_s", ())) if world > 1 else 0
+    wake = (spec.get("wake") or {}).get("segments_s", ())
+    n_noise += len(wake) + 1 if world > 1 and wake else 0
     n_comm += len(spec.get("dispatcher", ()))
     return n_comm + n_noise + per_dtype * len(spec.get("dtypes", ["fp32"])) + len(
         spec.get("memory_elements", ())) * len(spec.get("memory_ops", MEMORY_OPS)) + 1 + len(
@@ -620,6 +673,8 @@ def main(argv: list[str] | None = None) -> int:
     out["comm"] = bench_comm(b, world, bar)
     bar.set_postfix_str("compute noise")
     out["noise"] = bench_noise(b, world, bar)
+    bar.set_postfix_str("late wake-ups")
+    out["wake"] = bench_wake(b, world, bar)
     out["gemm"], out["attention"] = [], []
     for dtype in spec.get("dtypes", ["fp32"]):
         bar.set_postfix_str(f"GEMM {dtype}")

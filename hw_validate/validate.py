@@ -71,6 +71,7 @@ def predicted_phases(spans: list, world: int) -> dict[str, float]:
     opt_start: list[float | None] = [None] * world
     end = [0.0] * world
     pending_wait = [0.0] * world
+    last_comm = ["forward_comm"] * world  # the blocking call a late wake-up (``wake_wait``) follows
     for sp in sorted(spans, key=lambda x: (x.rank, x.stream != "compute", x.start)):
         r, p = sp.rank, per[sp.rank]
         dur = sp.end - sp.start
@@ -86,6 +87,10 @@ def predicted_phases(spans: list, world: int) -> dict[str, float]:
         phase = sp.args.get("phase")
         if sp.name == "capacity_sync_wait":  # inside DeepSpeed's gate module: the job's route holds it
             p["route"] += dur
+            last_comm[r] = "route"
+            continue
+        if sp.name == "wake_wait":  # a rank resuming late: the job's timer of the call it left holds it
+            p["optimizer_comm" if opt_start[r] is not None else last_comm[r]] += dur
             continue
         if sp.name == "imbalance_wait":  # belongs to the all-to-all that follows it
             pending_wait[r] += dur
@@ -94,6 +99,7 @@ def predicted_phases(spans: list, world: int) -> dict[str, float]:
             key = sp.name if phase != "bwd" else sp.name + "_bwd"
             p[key] += dur + pending_wait[r]
             pending_wait[r] = 0.0
+            last_comm[r] = key
             if phase == "fwd":
                 fwd_end[r] = max(fwd_end[r], sp.end)
             continue

@@ -27,6 +27,8 @@ replaces the topology's defaults where present::
       "zero_grad_hook_ns_per_param": 8.0,  # ZeRO-1/2 backward beyond autograd, per parameter of the rank
       "zero_grad_hook_overhead_us": 4000.0,  # ... and per backward
       "compute_noise_cv": 0.1,        # relative std of a rank's compute-segment time (rank-to-rank spread)
+      "wake_delay_p": 0.3,            # CPU ranks: chance that a rank resumes late after a blocking collective
+      "wake_delay_cap_s": 0.004,      # ... by the peer's next compute segment, at most this (seconds)
       "sweeps": {...}                 # raw measurements (kept for the record; not read by the simulator)
     }
 
@@ -38,7 +40,8 @@ fitted alone, a diagnostic), ``gemm`` (``dtype``, ``m``, ``n``, ``k``, ``time_s`
 ``attention``, ``memory``, ``launch``, ``optimizer``, ``dispatcher`` (DeepSpeed's gate, sparse
 encode and decode at the scenarios' shapes: forward and backward seconds per call, the op
 counts and bytes the simulator assigns them, ``fit_*_s``), ``noise`` (per segment length, every rank's
-time per call and the fitted ``cv``), ``spec`` (what was measured), ``job_wall_s``,
+time per call and the fitted ``cv``), ``wake`` (per following segment length, every call's
+exit spread between the ranks), ``spec`` (what was measured), ``job_wall_s``,
 ``fit_wall_s`` and ``command``. ``hardware`` names the machine: ``device``, ``device_name``,
 ``backend``, ``world_size``, ``threads_per_rank``, ``cpu_count``, ``host``, ``python``, ``torch``,
 ``cuda``, ``topology`` (the cluster the link fit ran on) and ``scenarios`` (whose shapes were measured).
@@ -121,6 +124,12 @@ class Calibration(StrictModel):
     #: collectives (and the optimizer step) of every rank is scaled by its own lognormal draw of
     #: mean 1 (sim.schedule.apply_segment_noise), so the ranks reach each rendezvous apart
     compute_noise_cv: float | None = Field(default=None, ge=0, le=10)
+    #: CPU ranks sharing a host's cores with gloo's helper threads: after a blocking collective, one
+    #: rank of the group (with probability ``wake_delay_p``) resumes only when the core it was woken
+    #: on frees up -- after the peer's next compute segment, at most ``wake_delay_cap_s`` (the
+    #: scheduler's load-balance interval); sim.schedule.apply_wake_delay, microbench.bench_wake
+    wake_delay_p: float | None = Field(default=None, ge=0, le=1)
+    wake_delay_cap_s: float | None = Field(default=None, ge=0)
     sweeps: dict[str, Any] = {}
 
 

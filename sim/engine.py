@@ -28,7 +28,7 @@ from sim.cluster import Cluster
 from sim.comm import Comm, event_at, fire_at, group_node_bytes
 from sim.routing import RoutingPlan
 from sim.scenario import Scenario
-from sim.schedule import AllToAll, CapacitySync, Compute, Gather, GradReady, Schedule, WaitGather
+from sim.schedule import WAKE_KERNEL, AllToAll, CapacitySync, Compute, Gather, GradReady, Schedule, WaitGather
 
 #: Breakdown categories of the compute stream; on every rank they tile [0, rank's end].
 STREAM_KEYS = ("compute", "a2a", "imbalance_wait", "exposed_comm", "optimizer")
@@ -99,12 +99,16 @@ class Engine:
         self._totals: dict[int, list[float]] = {}
         self._total_arr: dict[int, np.ndarray] = {}
         self._compute_total = np.zeros(w)
+        self._wake_total = np.zeros(w)
         for i_op, op in enumerate(sched.ops):
             if isinstance(op, Compute):
                 for i, name in enumerate(op.names):
                     self.by_name[name] += op.durs[i]
                 tot = op.total
                 self._compute_total += tot
+                if op.names[0] == WAKE_KERNEL:  # a late wake-up: waiting, not compute
+                    self._compute_total -= op.durs[0]
+                    self._wake_total += op.durs[0]
                 self._totals[i_op] = tot.tolist()
                 self._total_arr[i_op] = tot
         bpe = sched.grad_bytes_per_param
@@ -384,6 +388,7 @@ class Engine:
                 self._span(rank, "param_gather_wait", t, env.now)
                 t = env.now
         key["compute"][rank] = float(self._compute_total[rank])
+        key["exposed_comm"][rank] += float(self._wake_total[rank])
         if t > env.now:
             yield env.timeout(t - env.now)
         yield from self._tail(rank)
@@ -402,6 +407,7 @@ class Engine:
                 yield ev
                 key["exposed_comm"][rank] += env.now - t0
                 self._span(rank, "grad_norm_wait", t0, env.now)
+            yield from self._wake(rank, tail.wake_norm_s)
         t0 = env.now
         if tail.offload_bytes:
             yield self.comm.host_copy([rank], tail.offload_bytes, to_host=True)[rank]
@@ -417,6 +423,15 @@ class Engine:
             yield ev
             key["exposed_comm"][rank] += env.now - t0
             self._span(rank, "param_gather", t0, env.now)
+            yield from self._wake(rank, tail.wake_gather_s)
+
+    def _wake(self, rank: int, late: np.ndarray | None):
+        """A late wake-up after a blocking call of the tail (sim.schedule.apply_wake_delay)."""
+        if late is not None and late[rank] > 0:
+            t0 = self.env.now
+            yield self.env.timeout(float(late[rank]))
+            self.key["exposed_comm"][rank] += self.env.now - t0
+            self._span(rank, WAKE_KERNEL, t0, self.env.now)
 
     def run(self) -> EngineResult:
         self._comm_arrivals: dict[tuple, list] = {}

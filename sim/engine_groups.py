@@ -121,6 +121,7 @@ def group_proc(eng, gid: int):
     tails = []
     for i, r in enumerate(ranks):
         key["compute"][r] = float(eng._compute_total[r])
+        key["exposed_comm"][r] += float(eng._wake_total[r])
         tails.append(env.process(_rank_tail(eng, r, float(t[i]))))
     yield env.all_of(tails)
 

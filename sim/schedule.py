@@ -177,6 +177,10 @@ class Tail:
     #: data-parallel group and one over each expert-data-parallel group (DeepSpeed's
     #: ``get_grad_norm_direct`` / ``_average_expert_grad_norms``), blocking the step
     norm_reduce: bool = False
+    #: CPU ranks (sim.schedule.apply_wake_delay): seconds a rank resumes late after the gradient
+    #: norm's all-reduce (before the optimizer) and after the post-step parameter all-gather
+    wake_norm_s: np.ndarray | None = None
+    wake_gather_s: np.ndarray | None = None
 
 
 @dataclass
@@ -381,6 +385,59 @@ def apply_segment_noise(ops: list, tail_s: np.ndarray, noise) -> np.ndarray:
     return tail_s * factors[-1]
 
 
+WAKE_KERNEL = "wake_wait"
+
+
+def apply_wake_delay(ops: list, tail: Tail, p: float, cap_s: float, seed: int, groups: list[list[int]]) -> None:
+    """Late wake-ups of CPU ranks after blocking collectives (calibration ``wake_delay_p``,
+    ``wake_delay_cap_s``; measured by :func:`hw_validate.microbench.bench_wake`).
+
+    On a CPU host the ranks' compute threads and gloo's helper threads share the cores. When a
+    blocking collective completes, the thread that wakes a rank is often placed on the core where
+    the peer has just resumed computing, so that rank resumes only when the peer's compute yields
+    the core (its next segment ends) or the scheduler's load balancer moves it (``cap_s``). Model:
+    after every all-to-all and capacity all-reduce, each group draws once; with probability ``p``
+    one of its ranks (drawn uniformly) starts its next compute segment late by
+    ``min(the group's longest next segment, cap_s)``, a ``wake_wait`` kernel at the head of that
+    segment. The tail's two blocking calls (the gradient norm's all-reduce before the optimizer,
+    the parameter all-gather after it) draw the same way over the whole world (the step ends with
+    the gather; its late rank pays ``cap_s`` at most, a full next step's first segment being longer).
+    Draws come from one stream seeded by ``seed``, in op order: the same scenario gives the same
+    schedule."""
+    if p <= 0 or cap_s <= 0:
+        return
+    rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x57A4E]))
+    world = len(tail.optimizer_s)
+    pending = False
+    for op in ops:
+        if isinstance(op, AllToAll | CapacitySync):
+            pending = True
+        elif isinstance(op, Compute) and pending:
+            pending = False
+            seg = op.total
+            delay = np.zeros(world)
+            for g in groups:
+                if len(g) > 1 and rng.random() < p:
+                    r = g[int(rng.integers(len(g)))]
+                    delay[r] = min(float(seg[g].max()), cap_s)
+            if delay.any():
+                op.names = [WAKE_KERNEL, *op.names]
+                op.durs = np.vstack([delay[None, :], op.durs])
+                op.flops = np.vstack([np.zeros((1, world)), op.flops])
+    everyone = list(range(world))
+
+    def draw(seg: np.ndarray) -> np.ndarray | None:
+        out = np.zeros(world)
+        if world > 1 and rng.random() < p:
+            out[everyone[int(rng.integers(world))]] = min(float(seg.max()), cap_s)
+        return out if out.any() else None
+
+    if tail.norm_reduce:
+        tail.wake_norm_s = draw(np.asarray(tail.optimizer_s, dtype=np.float64))
+    if tail.gather_nonexpert or tail.gather_expert:
+        tail.wake_gather_s = draw(np.array([cap_s]))
+
+
 def build_schedule(
     s: Scenario, plan: RoutingPlan | None, cost: CostModel, compute_factor: np.ndarray, jitter=None
 ) -> Schedule:
@@ -464,6 +521,8 @@ def build_schedule(
         gather_expert=ex_total if stage in (1, 2) else 0,
         norm_reduce=stage >= 1,
     )
+    if cal is not None and cal.wake_delay_p and cal.wake_delay_cap_s and s.world_size > 1:
+        apply_wake_delay(b.ops, tail, cal.wake_delay_p, cal.wake_delay_cap_s, s.routing.seed + 104729, s.ep_groups())
     from sim.flops import model_flops_per_token
 
     tokens = s.global_batch_size * t.seq_len
@@ -479,5 +538,5 @@ def build_schedule(
     )
 
 
-__all__ = ["AllToAll", "CapacitySync", "Compute", "Gather", "GradReady", "Schedule", "Tail", "WaitGather", "apply_segment_noise",
+__all__ = ["AllToAll", "CapacitySync", "Compute", "Gather", "GradReady", "Schedule", "Tail", "WaitGather", "apply_segment_noise", "apply_wake_delay",
            "build_schedule"]
