@@ -501,6 +501,18 @@ def bench_dispatcher(b: Bench, progress) -> list[dict]:
     return rows
 
 
+def _gemm_unit(b: Bench):
+    """A 256x256 GEMM and how many of them make 1 ms (the same count on every rank): the unit of
+    the compute segments of :func:`bench_noise` and :func:`bench_wake`."""
+    a = torch.randn(256, 256, device=b.device)
+    w = torch.randn(256, 256, device=b.device)
+
+    def gemm():
+        torch.mm(a, w)
+
+    return gemm, b.iters_for(gemm, agree=True, target_s=1e-3)
+
+
 def bench_noise(b: Bench, world: int, progress) -> list[dict]:
     """Rank-to-rank spread of identical compute (``noise: {"segments_s": [...], "calls": N}``).
 
@@ -517,14 +529,8 @@ def bench_noise(b: Bench, world: int, progress) -> list[dict]:
     rows: list[dict] = []
     if world < 2 or not cfg.get("segments_s"):
         return rows
-    a = torch.randn(256, 256, device=b.device)
-    w = torch.randn(256, 256, device=b.device)
     tiny = torch.zeros(1, device=b.device)
-
-    def gemm():
-        torch.mm(a, w)
-
-    per = b.iters_for(gemm, agree=True, target_s=1e-3)  # GEMMs per ms, the same on every rank
+    gemm, per = _gemm_unit(b)
     calls = int(cfg.get("calls", 20))
     for seg in cfg["segments_s"]:
         n = max(1, round(per * float(seg) / 1e-3))
@@ -564,16 +570,10 @@ def bench_wake(b: Bench, world: int, progress) -> list[dict]:
     rows: list[dict] = []
     if world < 2 or not cfg.get("segments_s"):
         return rows
-    a = torch.randn(256, 256, device=b.device)
-    w = torch.randn(256, 256, device=b.device)
     n = int(cfg.get("bytes", 65536)) // 4 // world * world
     x = torch.ones(max(world, n), device=b.device)
     y = torch.empty_like(x)
-
-    def gemm():
-        torch.mm(a, w)
-
-    per = b.iters_for(gemm, agree=True, target_s=1e-3)  # GEMMs per ms, the same on every rank
+    gemm, per = _gemm_unit(b)
     calls = int(cfg.get("calls", 40))
     dist.all_to_all_single(y, x)
     for seg in [0.0, *cfg["segments_s"]]:

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from sim.errors import InputError
+from sim.schedule import WAKE_KERNEL
 from sim.ioutil import atomic_write_text, dumps_json
 
 FORMAT = "moesim.validation"
@@ -89,7 +90,7 @@ def predicted_phases(spans: list, world: int) -> dict[str, float]:
             p["route"] += dur
             last_comm[r] = "route"
             continue
-        if sp.name == "wake_wait":  # a rank resuming late: the job's timer of the call it left holds it
+        if sp.name == WAKE_KERNEL:  # a rank resuming late: the job's timer of the call it left holds it
             p["optimizer_comm" if opt_start[r] is not None else last_comm[r]] += dur
             continue
         if sp.name == "imbalance_wait":  # belongs to the all-to-all that follows it

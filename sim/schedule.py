@@ -408,6 +408,12 @@ def apply_wake_delay(ops: list, tail: Tail, p: float, cap_s: float, seed: int, g
         return
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x57A4E]))
     world = len(tail.optimizer_s)
+
+    def draw(group: list[int], seg_s: float, out: np.ndarray) -> None:
+        """One draw for ``group``: maybe one of its ranks late by min(seg_s, cap_s), into ``out``."""
+        if len(group) > 1 and rng.random() < p:
+            out[group[int(rng.integers(len(group)))]] = min(seg_s, cap_s)
+
     pending = False
     for op in ops:
         if isinstance(op, AllToAll | CapacitySync):
@@ -417,25 +423,21 @@ def apply_wake_delay(ops: list, tail: Tail, p: float, cap_s: float, seed: int, g
             seg = op.total
             delay = np.zeros(world)
             for g in groups:
-                if len(g) > 1 and rng.random() < p:
-                    r = g[int(rng.integers(len(g)))]
-                    delay[r] = min(float(seg[g].max()), cap_s)
+                draw(g, float(seg[g].max()), delay)
             if delay.any():
                 op.names = [WAKE_KERNEL, *op.names]
                 op.durs = np.vstack([delay[None, :], op.durs])
                 op.flops = np.vstack([np.zeros((1, world)), op.flops])
-    everyone = list(range(world))
 
-    def draw(seg: np.ndarray) -> np.ndarray | None:
+    def tail_draw(seg_s: float) -> np.ndarray | None:
         out = np.zeros(world)
-        if world > 1 and rng.random() < p:
-            out[everyone[int(rng.integers(world))]] = min(float(seg.max()), cap_s)
+        draw(list(range(world)), seg_s, out)
         return out if out.any() else None
 
     if tail.norm_reduce:
-        tail.wake_norm_s = draw(np.asarray(tail.optimizer_s, dtype=np.float64))
+        tail.wake_norm_s = tail_draw(float(np.max(tail.optimizer_s)))
     if tail.gather_nonexpert or tail.gather_expert:
-        tail.wake_gather_s = draw(np.array([cap_s]))
+        tail.wake_gather_s = tail_draw(cap_s)
 
 
 def build_schedule(
