@@ -370,6 +370,7 @@ def calibrate(
     echo: bool = True,
     stat: str = "median",
     progress=None,
+    desync: str | Path | bool | None = "auto",
 ) -> CalibrationRun:
     """Measure, fit, write ``out`` (when given, atomically); see the module docstring.
 
@@ -379,7 +380,12 @@ def calibrate(
     gloo, ``hgx-h200`` for nccl). ``stat``: which statistic of the repetitions the fits use
     (:data:`hw_validate.calibrate_fit.STATS`). ``progress``: callable taking one line of text
     (stages of the run); the job's own progress bar goes to stderr when ``echo``. Bad input is an
-    :class:`~sim.errors.InputError` naming the CLI flag; a failed or hung job a :class:`JobError`."""
+    :class:`~sim.errors.InputError` naming the CLI flag; a failed or hung job a :class:`JobError`.
+
+    ``desync``: the reference scenario whose real job measures the ranks' drift between blocking
+    calls (:mod:`hw_validate.desync`; its fit replaces the microbenchmarks' ``wake_delay_*`` and
+    ``compute_noise_cv``). ``"auto"`` (default): ``scenarios/calibration/cpu-desync.yaml`` on gloo
+    with >= 2 ranks, unless ``quick`` or DeepSpeed is not installed; None or False: never."""
     if backend not in BACKENDS:
         raise InputError(f"unknown backend '{backend}'; use one of {', '.join(BACKENDS)}", field="--backend")
     if launcher not in LAUNCHERS:
@@ -411,12 +417,20 @@ def calibrate(
         if exc.field in (None, "cluster.topology", "cluster.nodes", "cluster.gpus_per_node"):
             raise InputError(exc.message, file=exc.file, field="--topology") from None
         raise
+    desync_path = _desync_scenario(desync, backend, nproc, quick)
     spec = build_spec(shapes, backend, quick)
     say(f"microbenchmarks: {nproc} {backend} ranks ({launcher}), {_count_items(spec, nproc)} items"
         f"{' (quick)' if quick else ''}")  # fmt: skip
     t0 = time.monotonic()
     raw = run_microbench(spec, nproc, launcher, timeout_s, echo)
-    say(f"measured in {time.monotonic() - t0:.1f} s; fitting links, GEMM, memory, attention, optimizer")
+    say(f"measured in {time.monotonic() - t0:.1f} s")
+    if desync_path is not None:
+        from hw_validate.desync import profile_job
+
+        say(f"rank desync: a real job of {desync_path} on {nproc} ranks, per-call spans")
+        raw["desync"] = profile_job(nproc, desync_path, timeout_s=timeout_s, echo=echo)
+        say(f"desync job: {raw['desync']['calls']} blocking calls in {raw['desync']['job_wall_s']:.1f} s")
+    say("fitting links, GEMM, memory, attention, optimizer, desync")
     t1 = time.monotonic()
     run = fit_all(raw, topology, spec, stat=stat)
     run.calibration.sweeps["fit_wall_s"] = time.monotonic() - t1
@@ -430,6 +444,29 @@ def calibrate(
             raise InputError(f"cannot write '{out}': {exc.strerror or exc}", field="--out") from None
         say(f"wrote {out}")
     return run
+
+
+def _desync_scenario(desync, backend: str, nproc: int, quick: bool) -> Path | None:
+    """The reference scenario of the desync job, or None when it does not run (see :func:`calibrate`)."""
+    import importlib.util
+
+    from hw_validate.desync import REFERENCE
+
+    if desync is None or desync is False:
+        return None
+    if desync == "auto" or desync is True:
+        auto = desync == "auto"
+        if backend != "gloo" or nproc < 2 or (auto and quick) or (auto and importlib.util.find_spec("deepspeed") is None):
+            if not auto:
+                raise InputError("the desync job runs on >= 2 gloo ranks", field="--desync-scenario")
+            return None
+        return REFERENCE
+    path = Path(desync)
+    if not path.is_file():
+        raise InputError(f"scenario file '{desync}' does not exist", file=str(desync), field="--desync-scenario")
+    if backend != "gloo" or nproc < 2:
+        raise InputError("the desync job runs on >= 2 gloo ranks", field="--desync-scenario")
+    return path
 
 
 def _count_items(spec: dict[str, Any], nproc: int) -> int:

@@ -378,6 +378,18 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
     noise_cv = fit_noise(noise_rows)
     wake_rows = raw.get("wake") or []
     wake = fit_wake(wake_rows)
+    desync = raw.get("desync")
+    if desync:  # the reference job's calls (hw_validate.desync) replace the loops' figures
+        from hw_validate.desync import fit_profile
+
+        base = next((r["mean_spread_s"] for r in wake_rows if r["segment_s"] == 0 and r.get("mean_spread_s") is not None), None)
+        dwake, dcv = fit_profile(desync, base)
+        desync["microbench"] = {"compute_noise_cv": noise_cv, "wake_delay_p": wake[0] if wake else None,
+                                "wake_delay_cap_s": wake[1] if wake else None}  # fmt: skip
+        desync["fit"] = {"compute_noise_cv": dcv, "wake_delay_p": dwake[0] if dwake else None,
+                         "wake_delay_cap_s": dwake[1] if dwake else None}  # fmt: skip
+        wake = dwake if dwake is not None else wake
+        noise_cv = dcv if dcv is not None else noise_cv
     hooks = fit_grad_hooks(raw["optimizer"]) if raw["optimizer"] else None
     disp_rows = raw.get("dispatcher") or []
     disp = fit_dispatcher(disp_rows, gemm.get("fp32"), hbm_Bps, launch_s) if disp_rows else None
@@ -431,6 +443,7 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
             "dispatcher_fit": report.get("dispatcher"),
             "noise": noise_rows,
             "wake": wake_rows,
+            "desync": desync,
             "spec": {k: v for k, v in spec.items() if k != "gemm"},
             "wall_s": raw.get("wall_s"),
             "command": raw.get("command"),
@@ -457,7 +470,8 @@ def format_report(cal: Calibration) -> str:
         gap = (cal.sweeps.get("spec") or {}).get("comm", {}).get("gap_s", 0.0)
         how = (f"isolated calls after {gap * 1e3:g} ms of compute, the last-arriving rank's time"
                if gap else "the slowest rank's, each")
-        lines.append(f"# time = {stat} of the repetitions ({how}); GB/s = 1e9 B/s")
+        shown = "mean" if stat == "median" and comm[0].get("stat") == "mean" else stat
+        lines.append(f"# time = {shown} of the repetitions ({how}); GB/s = 1e9 B/s")
         lines.append(f"# {'collective':<11} {'size (B)':>10} {'time (us)':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"
                      f" {'p25 (us)':>9} {'model (us)':>10}")  # fmt: skip
         for r in comm:
@@ -499,10 +513,25 @@ def format_report(cal: Calibration) -> str:
             f"max {100 * df['fit_max_rel_err']:.1f}% over {df['points']} timings"
         )
     noise = cal.sweeps.get("noise") or []
-    if cal.compute_noise_cv is not None:
+    desync = cal.sweeps.get("desync")
+    if desync and desync.get("fit"):
+        from hw_validate.desync import describe
+
+        fit = desync["fit"]
+        wake = (fit["wake_delay_p"], fit["wake_delay_cap_s"]) if fit.get("wake_delay_p") is not None else None
+        lines.append(describe(desync, (wake, fit.get("compute_noise_cv"))) + " -- used")
+        mb = desync.get("microbench") or {}
+        parts = []
+        if mb.get("compute_noise_cv") is not None:
+            parts.append(f"compute noise cv {mb['compute_noise_cv']:.3f}")
+        if mb.get("wake_delay_p") is not None:
+            parts.append(f"late wake-ups p {mb['wake_delay_p']:.3f}, cap {mb['wake_delay_cap_s'] * 1e3:.2f} ms")
+        if parts:
+            lines.append("  (the microbenchmark loops alone: " + "; ".join(parts) + ")")
+    elif cal.compute_noise_cv is not None:
         each = ", ".join(f"{r['segment_s'] * 1e3:g} ms {r['cv']:.3f}" for r in noise if "cv" in r)
         lines.append(f"compute noise: cv {cal.compute_noise_cv:.3f} of a rank's segment time" + (f" ({each})" if each else ""))
-    if cal.wake_delay_p is not None and cal.wake_delay_cap_s is not None:
+    if cal.wake_delay_p is not None and cal.wake_delay_cap_s is not None and not (desync and desync.get("fit")):
         wk = cal.sweeps.get("wake") or []
         each = ", ".join(f"{r['segment_s'] * 1e3:g} ms {r['mean_spread_s'] * 1e3:.2f}" for r in wk
                          if r.get("mean_spread_s") is not None)  # fmt: skip

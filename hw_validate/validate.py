@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from sim.errors import InputError
-from sim.schedule import WAKE_KERNEL
 from sim.ioutil import atomic_write_text, dumps_json
+from sim.schedule import WAKE_KERNEL
 
 FORMAT = "moesim.validation"
 VERSION = 1

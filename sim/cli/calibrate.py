@@ -57,6 +57,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="statistic of the timed repetitions the fits use: median (what a call in a "
                         "job typically pays; default) or p25 (lower quartile: the machine with the least "
                         "interference from other processes)")  # fmt: skip
+    parser.add_argument("--desync-scenario", metavar="S", default=None,
+                        help="reference scenario whose real job (per-call spans) measures how far the ranks "
+                        "drift apart between blocking calls: late wake-ups and compute noise (default on "
+                        "gloo with >= 2 ranks: scenarios/calibration/cpu-desync.yaml, ~30 s; not with "
+                        "--quick)")  # fmt: skip
+    parser.add_argument("--no-desync-job", action="store_true",
+                        help="skip the desync job: take late wake-ups and compute noise from the microbenchmark loops")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
     add_json_argument(parser)
 
@@ -97,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
             args.out, nproc=args.nproc, backend=args.backend, launcher=args.launcher, topology=args.topology,
             scenarios=args.scenario, quick=args.quick, timeout_s=args.timeout, echo=not args.no_progress,
             stat=args.stat, progress=say,
+            desync=None if args.no_desync_job else (args.desync_scenario or "auto"),
         )  # fmt: skip
     except JobError as exc:
         print(f"moesim: error: {exc}", file=sys.stderr)
