@@ -276,7 +276,7 @@ def fit_wake(rows: list[dict]) -> tuple[float, float] | None:
     rank resumes ``min(seg, cap)`` late, ``seg`` the compute segment that follows. So the mean exit
     spread at segment ``seg`` is ``base + p min(seg, cap)``, ``base`` the spread with nothing after
     the call (row ``segment_s`` 0: the collective's own exit skew, which the link fit already
-    holds). Least squares: for each ``cap`` on a grid (0.25-32 ms) ``p`` is closed form, clipped to
+    holds). Least squares weighted by each row's calls: for each ``cap`` on a grid (0.25-32 ms) ``p`` is closed form, clipped to
     [0, 1]; the pair with the smallest squared error wins (ties: the smaller cap). None without a
     zero-segment row and at least two longer ones."""
     base_rows = [r for r in rows if r["segment_s"] == 0 and r["exit_spread_s"]]
@@ -288,11 +288,14 @@ def fit_wake(rows: list[dict]) -> tuple[float, float] | None:
     base = float(np.mean([r["mean_spread_s"] for r in base_rows]))
     seg = np.array([r["segment_s"] for r in longer])
     extra = np.array([r["mean_spread_s"] for r in longer]) - base
+    # each row weighs as many calls as it holds: a job profile's bins (hw_validate.desync) hold
+    # from 8 to 100+ calls, and the step pays every call; bench_wake's rows hold the same count
+    w = np.array([float(r.get("calls") or len(r["exit_spread_s"])) for r in longer])
     best = None
     for cap in np.geomspace(2.5e-4, 3.2e-2, 85):
         f = np.minimum(seg, cap)
-        p = float(np.clip((f @ extra) / (f @ f), 0.0, 1.0))
-        sse = float(((p * f - extra) ** 2).sum())
+        p = float(np.clip((w * f @ extra) / (w * f @ f), 0.0, 1.0))
+        sse = float((w * (p * f - extra) ** 2).sum())
         if best is None or sse < best[0] * (1 - 1e-9):
             best = (sse, p, float(cap))
     _, p, cap = best

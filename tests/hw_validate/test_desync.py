@@ -188,3 +188,17 @@ def test_real_reference_job_gives_a_profile(tmp_path):
     if wake is not None:  # too few calls in some bins of so short a job is possible
         assert 0 <= wake[0] <= 1 and 2.5e-4 <= wake[1] <= 3.2e-2
     assert cv == prof["noise"]["cv"]
+
+
+def test_wake_fit_weighs_rows_by_their_calls():
+    """A bin of few calls off the model moves the fit little; with equal counts it would pull it."""
+    from hw_validate.calibrate_fit import fit_wake
+
+    p, cap = 0.4, 2e-3
+    rows = [{"segment_s": 0.0, "exit_spread_s": [0.0]}]
+    rows += [{"segment_s": s, "calls": 100, "exit_spread_s": [p * min(s, cap)] * 100} for s in (0.5e-3, 1e-3, 3e-3, 6e-3)]
+    odd = {"segment_s": 10e-3, "exit_spread_s": [0.2e-3] * 10}
+    (pw, cw) = fit_wake([*rows, {**odd, "calls": 10}])
+    (pu, cu) = fit_wake([*rows, {**odd, "calls": 100, "exit_spread_s": [0.2e-3] * 100}])
+    assert pw == pytest.approx(p, rel=0.1) and cw == pytest.approx(cap, rel=0.15)
+    assert abs(pu * cu - p * cap) > abs(pw * cw - p * cap)
