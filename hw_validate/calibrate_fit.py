@@ -72,6 +72,24 @@ def fit_link(cluster, rows: list[dict], cls: str = "intra") -> tuple[LinkFit, np
     return fit, pred
 
 
+#: the collectives the shared link pair (alpha, bw) is fitted on; every other measured kind gets a
+#: ``collective_bytes_factor`` on top of it (:func:`fit_bytes_factor`)
+LINK_FIT_KINDS = ("all_to_all", "all_reduce")
+
+
+def fit_bytes_factor(cluster, rows: list[dict]) -> float:
+    """The factor ``f`` on the bytes of ``rows``' collective (one kind) that fits the simulator's
+    times on ``cluster`` (links already fitted) to the measured ones: each time is ``lat + f bw``
+    (``lat`` the time of a 1-byte call, ``bw`` the rest), so least squares on relative error is
+    closed form, ``f = sum(b (1 - l)) / sum(b^2)`` with ``l = lat / t`` and ``b = bw / t``; at least
+    0.05 (a kind cheaper than the links' model by more than 20x is a measurement problem)."""
+    t = np.array([r["time_s"] for r in rows], dtype=np.float64)
+    lat = simulate_sweep(cluster, [{**r, "bytes": 1} for r in rows])
+    bw = simulate_sweep(cluster, rows) - lat
+    lt, b = lat / t, bw / t
+    return float(max(0.05, (b @ (1.0 - lt)) / (b @ b))) if (b @ b) > 0 else 1.0
+
+
 def gemm_model_times(params: tuple[float, float, float], shapes: np.ndarray, bpe: int, hbm_Bps: float, launch_s: float) -> np.ndarray:
     """:meth:`sim.costs.CostModel.gemm_time` for every (m, n, k) row of ``shapes``."""
     peak, m_half, nk_half = params
@@ -402,13 +420,21 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
                                 "fit_max_rel_err": float(err.max()), "points": int(err.size)}  # fmt: skip
     links: dict[str, LinkFit] = {}
     table = comm_table(raw["comm"])
-    if raw["comm"]:
+    factors: dict[str, float] = {}
+    link_rows = [r for r in raw["comm"] if r["kind"] in LINK_FIT_KINDS]
+    if link_rows:
         cluster = bench_cluster(topology, int(hw["world_size"]))
-        fit, pred = fit_link(cluster, raw["comm"], "intra")
+        fit, _ = fit_link(cluster, link_rows, "intra")
         links["intra"] = fit
+        fitted = _with_link(cluster, "intra", fit.alpha_us, fit.bw_GBps)
+        for kind in sorted({r["kind"] for r in raw["comm"]} - set(LINK_FIT_KINDS)):
+            factors[kind] = fit_bytes_factor(fitted, [r for r in raw["comm"] if r["kind"] == kind])
+        fitted.collective_bytes_factor = dict(factors)
+        pred = simulate_sweep(fitted, raw["comm"])
         for row, p in zip(table, pred, strict=True):
             row["fit_time_s"] = float(p)
         report["links"]["intra"] = fit.model_dump()
+        report["collective_bytes_factor"] = dict(factors)
         # each collective alone (a diagnostic: how far one pair for both is from each one's own)
         report["links_by_kind"] = {}
         for kind in sorted({r["kind"] for r in raw["comm"]}):
@@ -428,6 +454,7 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
         dispatcher_op_us=disp[0] * 1e6 if disp is not None else None,
         dispatcher_bw_GBps=disp[1] / 1e9 if disp is not None else None,
         links=links,
+        collective_bytes_factor=factors,
         optimizer_bytes_per_param=bpp,
         optimizer_step_overhead_us=overhead * 1e6 if overhead is not None else None,
         compute_noise_cv=noise_cv,
@@ -490,6 +517,11 @@ def format_report(cal: Calibration) -> str:
     for kind, f in (cal.sweeps.get("links_by_kind") or {}).items():
         lines.append(f"  ({kind} alone: alpha {f['alpha_us']:.2f} us, bw {f['bw_GBps']:.3f} GB/s, "
                      f"max error {100 * (f.get('fit_max_rel_err') or 0):.1f}%)")  # fmt: skip
+    for kind, f in (cal.collective_bytes_factor or {}).items():
+        err = [abs(r["fit_time_s"] / r["time_s"] - 1) for r in comm if r["kind"] == kind and r.get("fit_time_s")]
+        lines.append(f"{kind}: the link fit with {f:.2f}x the bytes"
+                     + (f"; fit error median {100 * float(np.median(err)):.1f}%, max {100 * max(err):.1f}% over "
+                        f"{len(err)} sizes" if err else ""))  # fmt: skip
     for d, g in cal.gemm.items():
         lines.append(
             f"GEMM {d}: peak {g.peak_TFLOPs * 1e3:.2f} GFLOP/s, m_half {g.m_half:.1f}, nk_half {g.nk_half:.1f}; "

@@ -212,6 +212,11 @@ def bench_comm(b: Bench, world: int, progress) -> list[dict]:
 
                 def fn(x=x):
                     dist.all_reduce(x)
+            elif kind == "all_gather":  # nccl-tests' size: the gathered output (ZeRO's post-step gather)
+                part = torch.ones(n // world, dtype=torch.float32, device=b.device)
+
+                def fn(x=x, part=part):
+                    dist.all_gather_into_tensor(x, part)
             else:
                 raise ValueError(f"unknown collective {kind}")
             gap = float(c.get("gap_s", 0.0))

@@ -29,6 +29,7 @@ replaces the topology's defaults where present::
       "compute_noise_cv": 0.1,        # relative std of a rank's compute-segment time (rank-to-rank spread)
       "wake_delay_p": 0.3,            # CPU ranks: chance that a rank resumes late after a blocking collective
       "wake_delay_cap_s": 0.004,      # ... by the peer's next compute segment, at most this (seconds)
+      "collective_bytes_factor": {"all_gather": 2.7},  # bytes multiplier per collective kind (default 1)
       "sweeps": {...}                 # raw measurements (kept for the record; not read by the simulator)
     }
 
@@ -41,7 +42,8 @@ fitted alone, a diagnostic), ``gemm`` (``dtype``, ``m``, ``n``, ``k``, ``time_s`
 encode and decode at the scenarios' shapes: forward and backward seconds per call, the op
 counts and bytes the simulator assigns them, ``fit_*_s``), ``noise`` (per segment length, every rank's
 time per call and the fitted ``cv``), ``wake`` (per following segment length, every call's
-exit spread between the ranks), ``spec`` (what was measured), ``job_wall_s``,
+exit spread between the ranks), ``desync`` (the reference job's per-call profile and the figures it
+gave, hw_validate/desync.py, beside the loops' own), ``spec`` (what was measured), ``job_wall_s``,
 ``fit_wall_s`` and ``command``. ``hardware`` names the machine: ``device``, ``device_name``,
 ``backend``, ``world_size``, ``threads_per_rank``, ``cpu_count``, ``host``, ``python``, ``torch``,
 ``cuda``, ``topology`` (the cluster the link fit ran on) and ``scenarios`` (whose shapes were measured).
@@ -54,13 +56,16 @@ the latency of *one link* of the class, as the simulator adds it per hop (a tran
 GPUs of a node crosses two ``intra`` links: GPU -> switch -> GPU); ``moesim calibrate`` fits it and
 ``bw_GBps`` through the simulator's own collective model, so the fitted pair reproduces the
 measured sweep (``fit_rel_err``: median, ``fit_max_rel_err``: largest relative error over the
-``points`` sizes of the sweep).
+``points`` sizes of the sweep). The link pair is fitted on the all-to-all and all-reduce rows;
+each other measured kind (``all_gather``) gets a ``collective_bytes_factor``: the factor on the
+bytes its ring moves that brings the simulator's times with the fitted links to the measured ones
+(least squares on relative error).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field
 
@@ -130,6 +135,12 @@ class Calibration(StrictModel):
     #: scheduler's load-balance interval); sim.schedule.apply_wake_delay, microbench.bench_wake
     wake_delay_p: float | None = Field(default=None, ge=0, le=1)
     wake_delay_cap_s: float | None = Field(default=None, ge=0)
+    #: per collective kind, the factor on the bytes the simulator's ring moves for it, fitted by
+    #: ``moesim calibrate`` on kinds whose measured cost the shared link fit does not reach: gloo's
+    #: ``all_gather_into_tensor`` on this CPU host takes 3.6-4.0 ms for 4 MiB where the link fit's
+    #: ring (one step, half the bytes each way) gives 1.5 ms, so its factor is ~2.5-3; absent: 1
+    collective_bytes_factor: dict[Literal["all_to_all", "all_reduce", "reduce_scatter", "all_gather"],
+                                  Annotated[float, Field(gt=0, le=1000)]] = {}  # fmt: skip
     sweeps: dict[str, Any] = {}
 
 
@@ -190,6 +201,7 @@ def apply_link_calibration(cluster, calib: Calibration | None):
 
     if calib is None or not calib.links:
         return cluster
+    factor = {k: float(v) for k, v in (calib.collective_bytes_factor or {}).items()}
     bw = cluster.link_bw_Bps.copy()
     lat = cluster.link_latency_s.copy()
     kind = cluster.link_kind_code
@@ -211,5 +223,6 @@ def apply_link_calibration(cluster, calib: Calibration | None):
         graph.edges[u, v]["bw_GBps"] = float(bw[i]) / 1e9
         graph.edges[u, v]["latency_us"] = float(lat[i]) * 1e6
     return replace(
-        cluster, graph=graph, link_bw_Bps=bw, link_latency_s=lat, _path_cache={}, _reroute=None, healthy=None
+        cluster, graph=graph, link_bw_Bps=bw, link_latency_s=lat, _path_cache={}, _reroute=None, healthy=None,
+        collective_bytes_factor=factor,
     )

@@ -84,6 +84,9 @@ class Cluster:
     _reroute: Callable[[int, int], tuple[int, ...]] | None = field(default=None, repr=False, compare=False)
     #: The healthy cluster a faulty one was made from (faults are applied to it, never stacked).
     healthy: Cluster | None = field(default=None, repr=False, compare=False)
+    #: Calibrated bytes multiplier per collective kind (``Calibration.collective_bytes_factor``):
+    #: a collective of ``nbytes`` moves ``nbytes x factor`` over the links (sim.collectives.reduction_dag)
+    collective_bytes_factor: dict[str, float] = field(default_factory=dict, repr=False)
 
     @property
     def world_size(self) -> int:

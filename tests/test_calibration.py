@@ -104,3 +104,28 @@ def test_cost_model_reads_calibrated_fields():
     assert CostModel(gpu, cal.model_copy(update={"optimizer_step_overhead_us": None})).optimizer_time(1e6) == (
         pytest.approx(1e6 * 16 / 50e9 + 4e-6)
     )
+
+
+def test_collective_bytes_factor_scales_only_its_kind():
+    """A calibrated all-gather bytes factor f: the ring all-gather's byte term grows f-fold (closed
+    form on 2 ranks of one host: 2 alpha + f S/2 / bw), the other kinds and the latency stay, and it
+    reaches the engine's tail through the cluster (the path ``simulate`` takes)."""
+    from sim.cli.collective import measure
+    from sim.comm import reduction_model
+
+    base = build_cluster(load_topology("cpu-host"), 1, 2)
+    link = {"intra": LinkFit(alpha_us=200.0, bw_GBps=2.0)}
+    plain = apply_link_calibration(base, Calibration(links=link))
+    scaled = apply_link_calibration(base, Calibration(links=link, collective_bytes_factor={"all_gather": 2.5}))
+    a, bw, s = 200e-6, 2e9, 4 * 2**20
+    for c, f in ((plain, 1.0), (scaled, 2.5)):
+        (ag,) = measure(c, "all_gather", "ring", [s])
+        (ar,) = measure(c, "all_reduce", "ring", [s])
+        assert ag["time_s"] == pytest.approx(2 * a + f * s / 2 / bw, rel=1e-9)
+        assert ar["time_s"] == pytest.approx(4 * a + s / bw, rel=1e-9)
+        per_byte, lat, _ = reduction_model(c, "all_gather", [0, 1], "ring")
+        assert lat == pytest.approx(2 * a) and per_byte == pytest.approx(f / 2 / bw)
+    with pytest.raises(Exception, match="collective_bytes_factor"):
+        Calibration.model_validate({"collective_bytes_factor": {"all_gather": 0}})
+    with pytest.raises(Exception, match="collective_bytes_factor"):
+        Calibration.model_validate({"collective_bytes_factor": {"broadcast": 2.0}})

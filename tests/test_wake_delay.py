@@ -13,11 +13,11 @@ import pytest
 from hw_validate.calibrate_fit import fit_wake
 from hw_validate.validate import predicted_phases
 from sim.calibration import Calibration
+from sim.engine import Span
 from sim.routing import route_scenario
 from sim.scenario import load_scenario
 from sim.schedule import WAKE_KERNEL, AllToAll, CapacitySync, Compute, Tail, apply_wake_delay, build_schedule
 from sim.simulate import cost_model, simulate
-from sim.engine import Span
 from tests.conftest import calibrated_scenario
 
 
