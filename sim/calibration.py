@@ -132,7 +132,8 @@ class Calibration(StrictModel):
     #: CPU ranks sharing a host's cores with gloo's helper threads: after a blocking collective, one
     #: rank of the group (with probability ``wake_delay_p``) resumes only when the core it was woken
     #: on frees up -- after the peer's next compute segment, at most ``wake_delay_cap_s`` (the
-    #: scheduler's load-balance interval); sim.schedule.apply_wake_delay, microbench.bench_wake
+    #: scheduler's load-balance interval); sim.schedule.apply_wake_delay; fitted from a real
+    #: reference job's calls (hw_validate.desync) when calibrate ran one, else microbench.bench_wake
     wake_delay_p: float | None = Field(default=None, ge=0, le=1)
     wake_delay_cap_s: float | None = Field(default=None, ge=0)
     #: per collective kind, the factor on the bytes the simulator's ring moves for it, fitted by

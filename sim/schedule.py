@@ -390,7 +390,8 @@ WAKE_KERNEL = "wake_wait"
 
 def apply_wake_delay(ops: list, tail: Tail, p: float, cap_s: float, seed: int, groups: list[list[int]]) -> None:
     """Late wake-ups of CPU ranks after blocking collectives (calibration ``wake_delay_p``,
-    ``wake_delay_cap_s``; measured by :func:`hw_validate.microbench.bench_wake`).
+    ``wake_delay_cap_s``; measured in a real reference job's per-call spans by
+    :mod:`hw_validate.desync`, or by the :func:`hw_validate.microbench.bench_wake` loop).
 
     On a CPU host the ranks' compute threads and gloo's helper threads share the cores. When a
     blocking collective completes, the thread that wakes a rank is often placed on the core where
