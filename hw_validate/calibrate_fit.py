@@ -549,7 +549,8 @@ def format_report(cal: Calibration) -> str:
         )
     noise = cal.sweeps.get("noise") or []
     desync = cal.sweeps.get("desync")
-    if desync and desync.get("fit"):
+    from_job = bool(desync and desync.get("fit"))  # the reference job's figures were used
+    if from_job:
         from hw_validate.desync import describe
 
         fit = desync["fit"]
@@ -566,7 +567,7 @@ def format_report(cal: Calibration) -> str:
     elif cal.compute_noise_cv is not None:
         each = ", ".join(f"{r['segment_s'] * 1e3:g} ms {r['cv']:.3f}" for r in noise if "cv" in r)
         lines.append(f"compute noise: cv {cal.compute_noise_cv:.3f} of a rank's segment time" + (f" ({each})" if each else ""))
-    if cal.wake_delay_p is not None and cal.wake_delay_cap_s is not None and not (desync and desync.get("fit")):
+    if cal.wake_delay_p is not None and cal.wake_delay_cap_s is not None and not from_job:
         wk = cal.sweeps.get("wake") or []
         each = ", ".join(f"{r['segment_s'] * 1e3:g} ms {r['mean_spread_s'] * 1e3:.2f}" for r in wk
                          if r.get("mean_spread_s") is not None)  # fmt: skip

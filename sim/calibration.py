@@ -65,10 +65,11 @@ bytes its ring moves that brings the simulator's times with the fitted links to 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 from pydantic import ConfigDict, Field
 
+from sim.collectives import Kind
 from sim.errors import InputError
 from sim.ioutil import atomic_write_text, dumps_json
 from sim.yamlio import StrictModel, read_text, validate_model
@@ -140,8 +141,7 @@ class Calibration(StrictModel):
     #: ``moesim calibrate`` on kinds whose measured cost the shared link fit does not reach: gloo's
     #: ``all_gather_into_tensor`` on this CPU host takes 3.6-4.0 ms for 4 MiB where the link fit's
     #: ring (one step, half the bytes each way) gives 1.5 ms, so its factor is ~2.5-3; absent: 1
-    collective_bytes_factor: dict[Literal["all_to_all", "all_reduce", "reduce_scatter", "all_gather"],
-                                  Annotated[float, Field(gt=0, le=1000)]] = {}  # fmt: skip
+    collective_bytes_factor: dict[Kind, Annotated[float, Field(gt=0, le=1000)]] = {}
     sweeps: dict[str, Any] = {}
 
 
