@@ -50,7 +50,7 @@ import numpy as np
 from hw_validate.calibrate_fit import STATS, CalibrationRun, bench_cluster, fit_all, format_report
 from hw_validate.diagnose import cause_of
 from hw_validate.jit_ops import accelerator_of, needed_ops
-from hw_validate.launch import JobError, free_port, launcher_head, prepare_ops, stop_group
+from hw_validate.launch import JobError, free_port, launcher_head, prepare_ops, remove_shm_buffers, stop_group
 from sim.calibration import save_calibration
 from sim.errors import InputError
 
@@ -261,7 +261,8 @@ def run_microbench(
     work = Path(tempfile.mkdtemp(prefix="moesim-calibrate-", dir=work_dir))
     spec_path, out_path, log_path = work / "spec.json", work / "result.json", work / "job.log"
     spec_path.write_text(json.dumps(spec))
-    cmd = [*launcher_head(launcher, nproc, free_port()), str(MICROBENCH), "--spec", str(spec_path), "--out", str(out_path)]
+    port = free_port()
+    cmd = [*launcher_head(launcher, nproc, port), str(MICROBENCH), "--spec", str(spec_path), "--out", str(out_path)]
     env = dict(os.environ)
     root = str(HERE.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -292,6 +293,8 @@ def run_microbench(
     except BaseException:
         stop_group(proc)
         raise
+    finally:
+        remove_shm_buffers(port)
     pump.join(timeout=10)
     if rc != 0 or not out_path.is_file():
         why = "exited 0 without writing its result" if rc == 0 else (_cause(tail) or f"exit status {rc}")
@@ -454,17 +457,13 @@ def _desync_scenario(desync, backend: str, nproc: int, quick: bool) -> Path | No
 
     if desync is None or desync is False:
         return None
-    if desync == "auto" or desync is True:
-        auto = desync == "auto"
-        if backend != "gloo" or nproc < 2 or (auto and quick) or (auto and importlib.util.find_spec("deepspeed") is None):
-            if not auto:
-                raise InputError("the desync job runs on >= 2 gloo ranks", field="--desync-scenario")
-            return None
-        return REFERENCE
-    path = Path(desync)
+    usable = backend == "gloo" and nproc >= 2
+    if desync == "auto":
+        return REFERENCE if usable and not quick and importlib.util.find_spec("deepspeed") is not None else None
+    path = REFERENCE if desync is True else Path(desync)
     if not path.is_file():
         raise InputError(f"scenario file '{desync}' does not exist", file=str(desync), field="--desync-scenario")
-    if backend != "gloo" or nproc < 2:
+    if not usable:
         raise InputError("the desync job runs on >= 2 gloo ranks", field="--desync-scenario")
     return path
 

@@ -176,9 +176,17 @@ def _minimal_raw(wake_rows, noise_rows, desync) -> dict:
 def test_real_reference_job_gives_a_profile(tmp_path):
     """A short real job of the reference scenario on 2 gloo ranks: every measured step's calls are
     aligned across the ranks, and the fit's figures are in their domains."""
-    from hw_validate.desync import profile_job
+    import os
+    import time
 
+    from hw_validate.desync import profile_job
+    from hw_validate.launch import SHM_DIR
+
+    t0 = time.time()
     prof = profile_job(2, REFERENCE, steps=6, timeout_s=600, echo=False, spans_dir=tmp_path / "spans")
+    # DeepSpeed's CPU all-reduce buffers of the job are gone with it (hw_validate.launch.remove_shm_buffers)
+    left = [f for f in SHM_DIR.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*") if f.stat().st_mtime >= t0]
+    assert left == []
     # 3 MoE layers: 4 all-to-alls each, plus the gradient and optimizer reductions, per step
     per_step = prof["calls"] / (6 - load_scenario(REFERENCE).training.warmup_steps)
     assert prof["skipped_steps"] == 0 and per_step == int(per_step) and per_step >= 12 + 2
@@ -202,3 +210,19 @@ def test_wake_fit_weighs_rows_by_their_calls():
     (pu, cu) = fit_wake([*rows, {**odd, "calls": 100, "exit_spread_s": [0.2e-3] * 100}])
     assert pw == pytest.approx(p, rel=0.1) and cw == pytest.approx(cap, rel=0.15)
     assert abs(pu * cu - p * cap) > abs(pw * cw - p * cap)
+
+
+def test_remove_shm_buffers_takes_only_the_jobs_own(tmp_path):
+    import os
+
+    from hw_validate.launch import remove_shm_buffers
+
+    uid = os.getuid()
+    mine = [tmp_path / f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_12345_{r}" for r in (0, 1)]
+    others = [tmp_path / f"deepspeed_allreduce_buffer_{uid}_127.0.0.1_123456_0",
+              tmp_path / f"deepspeed_allreduce_buffer_{uid + 1}_127.0.0.1_12345_0", tmp_path / "other_12345_0"]  # fmt: skip
+    for f in mine + others:
+        f.write_bytes(b"x")
+    assert remove_shm_buffers(12345, tmp_path) == 2
+    assert not any(f.exists() for f in mine) and all(f.exists() for f in others)
+    assert remove_shm_buffers(12345, tmp_path) == 0
