@@ -427,15 +427,25 @@ def calibrate(
     t0 = time.monotonic()
     raw = run_microbench(spec, nproc, launcher, timeout_s, echo)
     say(f"measured in {time.monotonic() - t0:.1f} s")
-    if desync_path is not None:
-        from hw_validate.desync import profile_job
+    with tempfile.TemporaryDirectory(prefix="moesim-refjob-") as job_dir:
+        if desync_path is not None:
+            from hw_validate.desync import profile_job
 
-        say(f"rank desync: a real job of {desync_path} on {nproc} ranks, per-call spans")
-        raw["desync"] = profile_job(nproc, desync_path, timeout_s=timeout_s, echo=echo)
-        say(f"desync job: {raw['desync']['calls']} blocking calls in {raw['desync']['job_wall_s']:.1f} s")
-    say("fitting links, GEMM, memory, attention, optimizer, desync")
-    t1 = time.monotonic()
-    run = fit_all(raw, topology, spec, stat=stat)
+            say(f"rank desync: a real job of {desync_path} on {nproc} ranks, per-call spans")
+            raw["desync"] = profile_job(nproc, desync_path, timeout_s=timeout_s, echo=echo, job_dir=job_dir)
+            say(f"desync job: {raw['desync']['calls']} blocking calls in {raw['desync']['job_wall_s']:.1f} s")
+        say("fitting links, GEMM, memory, attention, optimizer, desync")
+        t1 = time.monotonic()
+        run = fit_all(raw, topology, spec, stat=stat)
+        desync_fit = run.calibration.sweeps.get("desync")
+        if desync_fit:
+            from hw_validate.desync import fit_compute_scale
+
+            scale = fit_compute_scale(run.calibration, desync_fit)
+            desync_fit.pop("job", None)  # temporary paths: not part of the record
+            desync_fit["compute"] = scale
+            if scale is not None:
+                run.calibration.compute_scale = scale["compute_scale"]
     run.calibration.sweeps["fit_wall_s"] = time.monotonic() - t1
     run.calibration.sweeps["job_wall_s"] = t1 - t0
     if scenarios:

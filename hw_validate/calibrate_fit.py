@@ -564,6 +564,13 @@ def format_report(cal: Calibration) -> str:
             parts.append(f"late wake-ups p {mb['wake_delay_p']:.3f}, cap {mb['wake_delay_cap_s'] * 1e3:.2f} ms")
         if parts:
             lines.append("  (the microbenchmark loops alone: " + "; ".join(parts) + ")")
+        cs = desync.get("compute")
+        if cs:
+            used = " -- used" if cal.compute_scale is not None else ""
+            lines.append(f"in-job compute of the reference job's forward and backward: measured "
+                         f"{cs['measured_compute_s'] * 1e3:.2f} ms, modelled {cs['predicted_compute_s'] * 1e3:.2f} ms "
+                         f"(of which ZeRO hooks {cs['predicted_hooks_s'] * 1e3:.2f} ms, not scaled): "
+                         f"compute scale {cs['compute_scale']:.3f}{used}")  # fmt: skip
     elif cal.compute_noise_cv is not None:
         each = ", ".join(f"{r['segment_s'] * 1e3:g} ms {r['cv']:.3f}" for r in noise if "cv" in r)
         lines.append(f"compute noise: cv {cal.compute_noise_cv:.3f} of a rank's segment time" + (f" ({each})" if each else ""))

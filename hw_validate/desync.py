@@ -146,12 +146,17 @@ def reference_overrides(nproc: int, num_experts: int = 8) -> list[str]:
 
 def profile_job(nproc: int = 2, scenario: str | Path = REFERENCE, steps: int | None = None,
                 timeout_s: float = 900.0, echo: bool = True, spans_dir: str | Path | None = None,
-                launcher: str = "deepspeed") -> dict:  # fmt: skip
+                launcher: str = "deepspeed", job_dir: str | Path | None = None) -> dict:  # fmt: skip
     """Run ``scenario``'s real job on ``nproc`` CPU ranks with per-call spans and return its desync
-    profile: ``{"scenario", "ranks", "steps", "calls", "skipped_steps", "wake": rows, "noise": {...},
-    "job_wall_s"}``. ``spans_dir``: keep the spans there (default: a temporary folder). A failed
-    or hung job is a :class:`~hw_validate.launch.JobError`; a missing scenario an InputError."""
+    profile: ``{"scenario", "overrides", "ranks", "steps", "calls", "skipped_steps", "wake": rows,
+    "noise": {...}, "measured": {"step_time_s", "phases_s"}, "job_wall_s"}``. ``spans_dir``: keep
+    the spans there (default: a temporary folder); ``job_dir``: keep the job's measurement and
+    router trace there (``"job": {"measurement", "trace"}`` in the profile; what
+    :func:`fit_compute_scale` reads). A failed or hung job is a
+    :class:`~hw_validate.launch.JobError`; a missing scenario an InputError."""
     from hw_validate.launch import run_job
+    from hw_validate.measurement import load_measurement
+    from hw_validate.validate import measured_section
     from sim.scenario import load_scenario
 
     if nproc < 2:
@@ -168,14 +173,66 @@ def profile_job(nproc: int = 2, scenario: str | Path = REFERENCE, steps: int | N
             old.unlink()
         env = dict(os.environ, MOESIM_TIMING_SPANS=str(spans))
         env.setdefault("DS_ACCELERATOR", "cpu")
-        res = run_job(scenario, nproc, out_dir=Path(tmp) / "job", steps=steps, overrides=overrides,
+        out = Path(job_dir) if job_dir is not None else Path(tmp) / "job"
+        res = run_job(scenario, nproc, out_dir=out, steps=steps, overrides=overrides,
                       timeout_s=timeout_s, launcher=launcher, env=env, echo=echo)  # fmt: skip
         records = read_spans(spans, nproc)
+        meas = measured_section(load_measurement(res.measurement), res.measurement)
     entries, exits, last, skipped = aligned_calls(records, scen.training.warmup_steps)
     rows, noise = desync_rows(entries, exits, last)
-    return {"scenario": str(scenario), "overrides": overrides, "ranks": nproc,
+    prof = {"scenario": str(scenario), "overrides": overrides, "ranks": nproc,
             "steps": len(records[0]) if records else 0, "calls": int(entries.shape[1]), "skipped_steps": skipped,
-            "wake": rows, "noise": noise, "job_wall_s": res.wall_s}  # fmt: skip
+            "wake": rows, "noise": noise, "job_wall_s": res.wall_s,
+            "measured": {"step_time_s": meas["step_time_s"], "phases_s": meas["phases_s"], "dtype": meas["dtype"]}}  # fmt: skip
+    if job_dir is not None:
+        prof["job"] = {"measurement": str(res.measurement), "trace": str(res.trace)}
+    return prof
+
+
+#: the blocking collectives inside the job's forward and backward phases (the rest is compute)
+FWD_BWD_COMM = tuple(p for p in BLOCKING if p != "optimizer_comm")
+
+
+def compute_time(phases: dict[str, float]) -> float:
+    """Seconds of compute in a step's forward and backward: the two phases less the blocking
+    collectives inside them (which hold the late wake-ups and the waits for the peer)."""
+    return phases.get("forward", 0.0) + phases.get("backward", 0.0) - sum(phases.get(p, 0.0) for p in FWD_BWD_COMM)
+
+
+def fit_compute_scale(calibration, profile: dict) -> dict | None:
+    """The calibration's ``compute_scale`` from the reference job of ``profile`` (kept with
+    ``job_dir``): simulate the job as it ran (its routing trace, the calibration without a
+    compute scale) and solve ``measured = hooks + scale x kernels`` for the step's forward and
+    backward compute (:func:`compute_time`), where ``hooks`` is the modelled ZeRO gradient-hook
+    time (timed inside a real engine, so not scaled) and ``kernels`` the rest of the modelled
+    compute. Returns ``{"compute_scale", "measured_compute_s", "predicted_compute_s",
+    "predicted_hooks_s"}``, or None when the profile has no kept job or the fit is degenerate."""
+    from hw_validate.validate import predicted_phases, simulation_scenario
+    from sim.calibration import save_calibration
+    from sim.simulate import simulate
+
+    job = profile.get("job") or {}
+    measured = profile.get("measured") or {}
+    if not job or not measured:
+        return None
+    cal = calibration.model_copy(update={"compute_scale": None})
+    with tempfile.TemporaryDirectory(prefix="moesim-cscale-") as tmp:
+        path = Path(tmp) / "calibration.json"
+        save_calibration(path, cal)
+        s = simulation_scenario(profile["scenario"], profile.get("overrides") or [], path, job["trace"],
+                                measured.get("dtype"))  # fmt: skip
+        res = simulate(s, trace_ranks=set(range(s.world_size)))
+    spans = res.pop("_spans")
+    pred = predicted_phases(spans, s.world_size)
+    hooks = [0.0] * s.world_size
+    for sp in spans:
+        if sp.name == "grad_hooks" and sp.stream == "compute":
+            hooks[sp.rank] += sp.end - sp.start
+    m_c, p_c, h = compute_time(measured["phases_s"]), compute_time(pred), max(hooks)
+    if not (p_c - h > 0 and m_c - h > 0):
+        return None
+    return {"compute_scale": float((m_c - h) / (p_c - h)), "measured_compute_s": float(m_c),
+            "predicted_compute_s": float(p_c), "predicted_hooks_s": float(h)}  # fmt: skip
 
 
 def describe(profile: dict, fit: tuple[tuple[float, float] | None, float | None]) -> str:

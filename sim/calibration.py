@@ -30,6 +30,7 @@ replaces the topology's defaults where present::
       "wake_delay_p": 0.3,            # CPU ranks: chance that a rank resumes late after a blocking collective
       "wake_delay_cap_s": 0.004,      # ... by the peer's next compute segment, at most this (seconds)
       "collective_bytes_factor": {"all_gather": 2.7},  # bytes multiplier per collective kind (default 1)
+      "compute_scale": 1.3,           # in-job factor on every forward/backward kernel (fitted on a real reference job)
       "sweeps": {...}                 # raw measurements (kept for the record; not read by the simulator)
     }
 
@@ -142,6 +143,13 @@ class Calibration(StrictModel):
     #: ``all_gather_into_tensor`` on this CPU host takes 3.6-4.0 ms for 4 MiB where the link fit's
     #: ring (one step, half the bytes each way) gives 1.5 ms, so its factor is ~2.5-3; absent: 1
     collective_bytes_factor: dict[Kind, Annotated[float, Field(gt=0, le=1000)]] = {}
+    #: the in-job cost of the forward and backward kernels relative to what the microbenchmarks
+    #: price (caches, eager dispatch, the framework's hooks between ops): every compute block of
+    #: the step (GEMMs, attention, memory-bound ops, the token dispatcher's ops) takes this factor
+    #: times its modelled time; not the optimizer step or ZeRO's gradient hooks, which
+    #: ``moesim calibrate`` times inside a real DeepSpeed engine. Fitted from a real reference
+    #: job's compute time (hw_validate.desync.fit_compute_scale) when calibrate ran one; absent: 1
+    compute_scale: float | None = Field(default=None, gt=0, le=100)
     sweeps: dict[str, Any] = {}
 
 

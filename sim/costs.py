@@ -89,6 +89,15 @@ class CostModel:
         return self.hbm_Bps
 
     @property
+    def compute_scale(self) -> float:
+        """Factor on the step's forward and backward compute blocks (``compute_scale`` of the
+        calibration: their in-job cost over the microbenchmarks'), else 1."""
+        cal = self.calibration
+        if cal is not None and cal.compute_scale is not None:
+            return cal.compute_scale
+        return 1.0
+
+    @property
     def attention_efficiency(self) -> float:
         cal = self.calibration
         if cal is not None and cal.attention_efficiency is not None:

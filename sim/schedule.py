@@ -198,6 +198,7 @@ class Schedule:
 class _Builder:
     def __init__(self, s: Scenario, plan: RoutingPlan | None, cost: CostModel, factor: np.ndarray):
         self.s, self.plan, self.cost, self.factor = s, plan, cost, factor
+        self.kernel_factor = factor * cost.compute_scale  # stragglers x the calibrated in-job factor
         m, t = s.model, s.training
         self.m, self.dt, self.bpe = m, t.dtype, BYTES_PER_ELEMENT[t.dtype]
         self.world = s.world_size
@@ -318,7 +319,7 @@ class _Builder:
             if not np.any(f if phase != "bwd" else b) and name not in ("embedding",):
                 continue
             names.append(name)
-            durs.append((b if phase == "bwd" else f) * self.factor)
+            durs.append((b if phase == "bwd" else f) * self.kernel_factor)
             flops.append(fl * (2.0 if phase == "bwd" else 1.0))
         if names:
             self.ops.append(Compute(names, np.stack(durs), np.stack(flops), phase, layer, micro))

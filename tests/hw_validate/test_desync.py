@@ -226,3 +226,80 @@ def test_remove_shm_buffers_takes_only_the_jobs_own(tmp_path):
     assert remove_shm_buffers(12345, tmp_path) == 2
     assert not any(f.exists() for f in mine) and all(f.exists() for f in others)
     assert remove_shm_buffers(12345, tmp_path) == 0
+
+
+def _reference_trace(tmp_path: Path, steps: int = 4) -> Path:
+    """A router trace of the reference scenario (2 ranks, 3 MoE layers, 8 experts top-2, 384
+    tokens a rank): near-uniform counts, each expert's kept tokens capped at its capacity."""
+    from sim.trace import RouterTrace, save_trace
+
+    s = load_scenario(REFERENCE)
+    m, tokens = s.model, s.tokens_per_micro_batch
+    rng = np.random.default_rng(3)
+    shape = (steps, 1, m.num_layers, 2, m.num_experts)
+    assigned = np.zeros(shape, dtype=np.int64)
+    for idx in np.ndindex(shape[:-1]):
+        assigned[idx] = rng.multinomial(tokens * m.top_k, [1 / m.num_experts] * m.num_experts)
+    cap = math.ceil(s.routing.capacity_factor * tokens * m.top_k / m.num_experts)
+    path = tmp_path / "router_trace.json"
+    save_trace(path, RouterTrace("cpu-desync", m.num_experts, m.top_k, 2, 2, m.num_layers, tokens,
+                                 assigned, np.minimum(assigned, cap)))  # fmt: skip
+    return path
+
+
+def _quiet_calibration(**update):
+    """The committed accuracy calibration without rank drift (deterministic, symmetric ranks)."""
+    from sim.calibration import load_calibration
+
+    cal = load_calibration(ROOT / "benchmarks" / "accuracy" / "cpu-2rank-gloo.calibration.json")
+    return cal.model_copy(update={"compute_noise_cv": 0.0, "wake_delay_p": 0.0, "compute_scale": None, **update})
+
+
+def _predict(tmp_path: Path, cal, trace: Path, name: str):
+    from hw_validate.validate import predicted_phases, simulation_scenario
+    from sim.calibration import save_calibration
+    from sim.simulate import simulate
+
+    path = tmp_path / f"{name}.json"
+    save_calibration(path, cal)
+    s = simulation_scenario(REFERENCE, [], path, trace)
+    res = simulate(s, trace_ranks={0, 1})
+    spans = res.pop("_spans")
+    hooks = max(sum(sp.end - sp.start for sp in spans if sp.name == "grad_hooks" and sp.rank == r) for r in (0, 1))
+    return predicted_phases(spans, 2), hooks, res
+
+
+def test_compute_scale_multiplies_the_compute_blocks_only(tmp_path):
+    """compute_scale 1.4: every forward/backward compute phase takes exactly 1.4x as long; ZeRO's
+    gradient hooks and the optimizer's own step do not move."""
+    trace = _reference_trace(tmp_path)
+    base, hooks0, r0 = _predict(tmp_path, _quiet_calibration(), trace, "c1")
+    scaled, hooks1, r1 = _predict(tmp_path, _quiet_calibration(compute_scale=1.4), trace, "c14")
+    for ph in ("attention", "route", "permute", "experts", "unpermute", "output", "attention_bwd", "experts_bwd"):
+        assert base[ph] > 0 and scaled[ph] == pytest.approx(1.4 * base[ph], rel=1e-9), ph
+    assert hooks0 > 0 and hooks1 == pytest.approx(hooks0, rel=1e-12)
+    opt = (lambda p: p["optimizer"] - p["optimizer_comm"])  # noqa: E731
+    assert opt(scaled) == pytest.approx(opt(base), rel=1e-9)
+    assert r1["step_time_s"] > r0["step_time_s"]
+
+
+def test_fit_compute_scale_recovers_a_planted_factor(tmp_path):
+    """A 'job' whose phases are the simulator's own at compute_scale 1.3: the fit on the
+    unscaled calibration gives back 1.3 (measured = hooks + scale x kernels, closed form), and
+    the calibration report names it."""
+    from hw_validate.calibrate_fit import format_report
+    from hw_validate.desync import compute_time, fit_compute_scale
+
+    trace = _reference_trace(tmp_path)
+    planted, hooks, _ = _predict(tmp_path, _quiet_calibration(compute_scale=1.3), trace, "c13")
+    prof = {"scenario": str(REFERENCE), "overrides": [], "measured": {"phases_s": planted, "dtype": "fp32"},
+            "job": {"trace": str(trace)}}  # fmt: skip
+    fit = fit_compute_scale(_quiet_calibration(), prof)
+    assert fit["compute_scale"] == pytest.approx(1.3, rel=1e-6)
+    assert fit["measured_compute_s"] == pytest.approx(compute_time(planted)) and fit["predicted_hooks_s"] == pytest.approx(hooks)
+    assert fit["predicted_compute_s"] < fit["measured_compute_s"]
+    assert fit_compute_scale(_quiet_calibration(), {**prof, "job": {}}) is None  # no kept job: no fit
+    cal = _quiet_calibration(compute_scale=fit["compute_scale"])
+    cal.sweeps["desync"] = {"scenario": str(REFERENCE), "ranks": 2, "calls": 0, "wake": [], "noise": {},
+                            "fit": {"compute_noise_cv": 0.0, "wake_delay_p": None}, "compute": fit}  # fmt: skip
+    assert "compute scale 1.300 -- used" in format_report(cal)
