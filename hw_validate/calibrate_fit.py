@@ -401,16 +401,21 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
     wake = fit_wake(wake_rows)
     desync = raw.get("desync")
     if desync:  # the reference job's calls (hw_validate.desync) replace the loops' figures
-        from hw_validate.desync import fit_profile
+        from hw_validate.desync import fit_pause_profile, fit_profile
 
         base = next((r["mean_spread_s"] for r in wake_rows if r["segment_s"] == 0 and r.get("mean_spread_s") is not None), None)
         dwake, dcv = fit_profile(desync, base)
+        pauses = fit_pause_profile(desync)
         desync["microbench"] = {"compute_noise_cv": noise_cv, "wake_delay_p": wake[0] if wake else None,
                                 "wake_delay_cap_s": wake[1] if wake else None}  # fmt: skip
         desync["fit"] = {"compute_noise_cv": dcv, "wake_delay_p": dwake[0] if dwake else None,
-                         "wake_delay_cap_s": dwake[1] if dwake else None}  # fmt: skip
+                         "wake_delay_cap_s": dwake[1] if dwake else None,
+                         "pause_rate_per_s": pauses[0] if pauses else None,
+                         "pause_mean_s": pauses[1] if pauses else None}  # fmt: skip
         wake = dwake if dwake is not None else wake
         noise_cv = dcv if dcv is not None else noise_cv
+    else:
+        pauses = None
     hooks = fit_grad_hooks(raw["optimizer"]) if raw["optimizer"] else None
     disp_rows = raw.get("dispatcher") or []
     disp = fit_dispatcher(disp_rows, gemm.get("fp32"), hbm_Bps, launch_s) if disp_rows else None
@@ -460,6 +465,8 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
         compute_noise_cv=noise_cv,
         wake_delay_p=wake[0] if wake is not None else None,
         wake_delay_cap_s=wake[1] if wake is not None else None,
+        pause_rate_per_s=pauses[0] if pauses is not None else None,
+        pause_mean_s=pauses[1] if pauses is not None else None,
         sweeps={
             "stat": stat,
             "comm": table,
@@ -551,11 +558,18 @@ def format_report(cal: Calibration) -> str:
     desync = cal.sweeps.get("desync")
     from_job = bool(desync and desync.get("fit"))  # the reference job's figures were used
     if from_job:
-        from hw_validate.desync import describe
+        from hw_validate.desync import PAUSE_MIN_S, PAUSE_SIGMAS, describe
 
         fit = desync["fit"]
         wake = (fit["wake_delay_p"], fit["wake_delay_cap_s"]) if fit.get("wake_delay_p") is not None else None
         lines.append(describe(desync, (wake, fit.get("compute_noise_cv"))) + " -- used")
+        ps = desync.get("pauses") or {}
+        if fit.get("pause_rate_per_s"):
+            lines.append(f"  rank stalls: {fit['pause_rate_per_s']:.1f} per second of compute, mean "
+                         f"{fit['pause_mean_s'] * 1e3:.2f} ms ({ps.get('pauses')} of {ps.get('segments')} segments "
+                         f"over their median by > max({PAUSE_MIN_S * 1e3:g} ms, {PAUSE_SIGMAS:g} sigma); sigma "
+                         f"{ps.get('sigma_rel') or 0:.3f}); compute noise cv above without them "
+                         f"(with them {(desync.get('noise') or {}).get('cv') or 0:.3f})")  # fmt: skip
         mb = desync.get("microbench") or {}
         parts = []
         if mb.get("compute_noise_cv") is not None:
@@ -569,7 +583,7 @@ def format_report(cal: Calibration) -> str:
             used = " -- used" if cal.compute_scale is not None else ""
             lines.append(f"in-job compute of the reference job's forward and backward: measured "
                          f"{cs['measured_compute_s'] * 1e3:.2f} ms, modelled {cs['predicted_compute_s'] * 1e3:.2f} ms "
-                         f"(of which ZeRO hooks {cs['predicted_hooks_s'] * 1e3:.2f} ms, not scaled): "
+                         f"at scale 1 (of which ZeRO hooks {cs['predicted_hooks_s'] * 1e3:.2f} ms, not scaled): "
                          f"compute scale {cs['compute_scale']:.3f}{used}")  # fmt: skip
     elif cal.compute_noise_cv is not None:
         each = ", ".join(f"{r['segment_s'] * 1e3:g} ms {r['cv']:.3f}" for r in noise if "cv" in r)

@@ -127,6 +127,64 @@ def desync_rows(entries: np.ndarray, exits: np.ndarray, last: np.ndarray,
     return rows, noise
 
 
+#: a segment longer than its median over the steps by more than this (and than PAUSE_SIGMAS of the
+#: segments' robust spread) holds a stall
+PAUSE_MIN_S = 1e-3
+PAUSE_SIGMAS = 4.0
+
+
+def step_segments(entries: np.ndarray, exits: np.ndarray, last: np.ndarray) -> np.ndarray | None:
+    """(world, steps, calls - 1) compute segments between consecutive calls of each step (entry
+    into call i + 1 minus exit from call i), over the steps with the most common call count; None
+    when fewer than 3 such steps."""
+    ends = np.flatnonzero(last)
+    if ends.size == 0:
+        return None
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    lens = ends - starts + 1
+    n = int(np.bincount(lens).argmax())
+    keep = [(a, b) for a, b, ln in zip(starts, ends, lens, strict=True) if ln == n]
+    if len(keep) < 3 or n < 2:
+        return None
+    return np.stack([entries[:, a + 1 : b + 1] - exits[:, a:b] for a, b in keep], axis=1)
+
+
+def fit_pauses(seg: np.ndarray | None) -> dict:
+    """Rank-local stalls in a job's segments (:func:`step_segments`): each (rank, segment) is the
+    same work every step, so its excess over its median across the steps is noise. The body of
+    that excess is a relative spread (``sigma_rel``, from the median absolute deviation); an excess
+    above ``max(PAUSE_MIN_S, PAUSE_SIGMAS sigma_rel median)`` is a stall, as the simulator models
+    them (:func:`sim.schedule.apply_pauses`, exponential lengths). The rate and mean
+    are of the stalls seen, so that the stalled time per second of compute is the measured one
+    (stalls shorter than the threshold are part of the body's spread; a truncated-exponential fit
+    that extrapolates them, tried on this VM's reference job, gave 1.5x the stalled time seen).
+    Returns ``{"rate_per_s"`` (stalls per second of the segments' median time), ``"mean_s"``,
+    ``"pauses"`` (seen), ``"segments"``, ``"sigma_rel"``, ``"body_cv"`` (the rank-to-rank spread
+    estimator of :func:`desync_rows` on the segments with their stalls taken out)``}``; rate and
+    mean are None when no stall was seen."""
+    out = {"rate_per_s": None, "mean_s": None, "pauses": 0, "segments": 0, "sigma_rel": None, "body_cv": None}
+    if seg is None or seg.size == 0:
+        return out
+    med = np.median(seg, axis=1, keepdims=True)
+    exc = seg - med
+    rel = exc / np.maximum(med, 1e-9)
+    sigma = float(1.4826 * np.median(np.abs(rel)))
+    thr = np.broadcast_to(np.maximum(PAUSE_MIN_S, PAUSE_SIGMAS * sigma * med), seg.shape)
+    hit = exc > thr
+    medb = np.broadcast_to(med, seg.shape)
+    out.update(pauses=int(hit.sum()), segments=int(seg.size), sigma_rel=sigma)
+    busy = float(medb.sum())
+    if hit.any() and busy > 0:  # the stalls seen: their count and mean keep the stalled time measured
+        out.update(rate_per_s=float(hit.sum() / busy), mean_s=float(exc[hit].mean()))
+    clean = np.where(hit, np.broadcast_to(med, seg.shape), seg).reshape(seg.shape[0], -1)
+    world = seg.shape[0]
+    if world > 1:
+        mean = clean.mean(axis=0, keepdims=True)
+        dev = float(np.abs(clean - mean).sum()) / float(mean.sum() * world)
+        out["body_cv"] = dev / math.sqrt(2.0 * (world - 1) / (math.pi * world))
+    return out
+
+
 def fit_profile(profile: dict, base_spread_s: float | None = None) -> tuple[tuple[float, float] | None, float | None]:
     """``((wake_delay_p, wake_delay_cap_s) or None, compute_noise_cv or None)`` of a job profile
     (:func:`profile_job`); ``base_spread_s`` replaces the zero-segment row when given."""
@@ -135,7 +193,15 @@ def fit_profile(profile: dict, base_spread_s: float | None = None) -> tuple[tupl
     rows = profile.get("wake") or []
     if base_spread_s is not None and rows and rows[0]["segment_s"] == 0:
         rows[0]["exit_spread_s"] = [float(base_spread_s)]
-    return fit_wake(rows) if rows else None, (profile.get("noise") or {}).get("cv")
+    pauses = profile.get("pauses") or {}
+    cv = pauses["body_cv"] if pauses.get("rate_per_s") and pauses.get("body_cv") is not None else None
+    return fit_wake(rows) if rows else None, cv if cv is not None else (profile.get("noise") or {}).get("cv")
+
+
+def fit_pause_profile(profile: dict) -> tuple[float, float] | None:
+    """``(pause_rate_per_s, pause_mean_s)`` of a job profile, or None when it saw no stall."""
+    p = profile.get("pauses") or {}
+    return (p["rate_per_s"], p["mean_s"]) if p.get("rate_per_s") and p.get("mean_s") else None
 
 
 def reference_overrides(nproc: int, num_experts: int = 8) -> list[str]:
@@ -180,9 +246,10 @@ def profile_job(nproc: int = 2, scenario: str | Path = REFERENCE, steps: int | N
         meas = measured_section(load_measurement(res.measurement), res.measurement)
     entries, exits, last, skipped = aligned_calls(records, scen.training.warmup_steps)
     rows, noise = desync_rows(entries, exits, last)
+    pauses = fit_pauses(step_segments(entries, exits, last))
     prof = {"scenario": str(scenario), "overrides": overrides, "ranks": nproc,
             "steps": len(records[0]) if records else 0, "calls": int(entries.shape[1]), "skipped_steps": skipped,
-            "wake": rows, "noise": noise, "job_wall_s": res.wall_s,
+            "wake": rows, "noise": noise, "pauses": pauses, "job_wall_s": res.wall_s,
             "measured": {"step_time_s": meas["step_time_s"], "phases_s": meas["phases_s"], "dtype": meas["dtype"]}}  # fmt: skip
     if job_dir is not None:
         prof["job"] = {"measurement": str(res.measurement), "trace": str(res.trace)}
@@ -201,38 +268,44 @@ def compute_time(phases: dict[str, float]) -> float:
 
 def fit_compute_scale(calibration, profile: dict) -> dict | None:
     """The calibration's ``compute_scale`` from the reference job of ``profile`` (kept with
-    ``job_dir``): simulate the job as it ran (its routing trace, the calibration without a
-    compute scale) and solve ``measured = hooks + scale x kernels`` for the step's forward and
-    backward compute (:func:`compute_time`), where ``hooks`` is the modelled ZeRO gradient-hook
-    time (timed inside a real engine, so not scaled) and ``kernels`` the rest of the modelled
-    compute. Returns ``{"compute_scale", "measured_compute_s", "predicted_compute_s",
-    "predicted_hooks_s"}``, or None when the profile has no kept job or the fit is degenerate."""
-    from hw_validate.validate import predicted_phases, simulation_scenario
+    ``job_dir``): simulate the job as it ran (its routing trace; the median over noise draws, as
+    :func:`hw_validate.validate.predict` does) with compute scales 1 and 2, and solve for the scale
+    at which the step's modelled forward and backward compute (:func:`compute_time`) equals the
+    measured one. The scale multiplies the compute blocks only, so what the two runs differ by is
+    the kernels' share; ZeRO's gradient hooks (timed inside a real engine) and anything else not
+    scaled cancel out. Returns ``{"compute_scale", "measured_compute_s", "predicted_compute_s"``
+    (at scale 1)``, "predicted_hooks_s"}``, or None when the profile has no kept job or the fit is
+    degenerate (no kernel time, or a non-positive scale)."""
+    from hw_validate.validate import simulate_median, simulation_scenario
     from sim.calibration import save_calibration
-    from sim.simulate import simulate
 
     job = profile.get("job") or {}
     measured = profile.get("measured") or {}
     if not job or not measured:
         return None
-    cal = calibration.model_copy(update={"compute_scale": None})
+    preds, hooks = [], 0.0
     with tempfile.TemporaryDirectory(prefix="moesim-cscale-") as tmp:
-        path = Path(tmp) / "calibration.json"
-        save_calibration(path, cal)
-        s = simulation_scenario(profile["scenario"], profile.get("overrides") or [], path, job["trace"],
-                                measured.get("dtype"))  # fmt: skip
-        res = simulate(s, trace_ranks=set(range(s.world_size)))
-    spans = res.pop("_spans")
-    pred = predicted_phases(spans, s.world_size)
-    hooks = [0.0] * s.world_size
-    for sp in spans:
-        if sp.name == "grad_hooks" and sp.stream == "compute":
-            hooks[sp.rank] += sp.end - sp.start
-    m_c, p_c, h = compute_time(measured["phases_s"]), compute_time(pred), max(hooks)
-    if not (p_c - h > 0 and m_c - h > 0):
+        for scale in (1.0, 2.0):
+            path = Path(tmp) / f"calibration-{scale:g}.json"
+            save_calibration(path, calibration.model_copy(update={"compute_scale": scale}))
+            s = simulation_scenario(profile["scenario"], profile.get("overrides") or [], path, job["trace"],
+                                    measured.get("dtype"))  # fmt: skip
+            _, phases, _, spans = simulate_median(s)
+            preds.append(compute_time(phases))
+            if scale == 1.0:
+                per = [0.0] * s.world_size
+                for sp in spans:
+                    if sp.name == "grad_hooks" and sp.stream == "compute":
+                        per[sp.rank] += sp.end - sp.start
+                hooks = max(per)
+    m_c, (p1, p2) = compute_time(measured["phases_s"]), preds
+    if not p2 - p1 > 0:
         return None
-    return {"compute_scale": float((m_c - h) / (p_c - h)), "measured_compute_s": float(m_c),
-            "predicted_compute_s": float(p_c), "predicted_hooks_s": float(h)}  # fmt: skip
+    scale = 1.0 + (m_c - p1) / (p2 - p1)
+    if not scale > 0:
+        return None
+    return {"compute_scale": float(scale), "measured_compute_s": float(m_c),
+            "predicted_compute_s": float(p1), "predicted_hooks_s": float(hooks)}  # fmt: skip
 
 
 def describe(profile: dict, fit: tuple[tuple[float, float] | None, float | None]) -> str:

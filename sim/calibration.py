@@ -31,6 +31,8 @@ replaces the topology's defaults where present::
       "wake_delay_cap_s": 0.004,      # ... by the peer's next compute segment, at most this (seconds)
       "collective_bytes_factor": {"all_gather": 2.7},  # bytes multiplier per collective kind (default 1)
       "compute_scale": 1.3,           # in-job factor on every forward/backward kernel (fitted on a real reference job)
+      "pause_rate_per_s": 20.0,       # CPU ranks: rank-local stalls (preemption, GC) per second of compute ...
+      "pause_mean_s": 0.0045,         # ... each of exponential length with this mean (seconds)
       "sweeps": {...}                 # raw measurements (kept for the record; not read by the simulator)
     }
 
@@ -150,6 +152,13 @@ class Calibration(StrictModel):
     #: ``moesim calibrate`` times inside a real DeepSpeed engine. Fitted from a real reference
     #: job's compute time (hw_validate.desync.fit_compute_scale) when calibrate ran one; absent: 1
     compute_scale: float | None = Field(default=None, gt=0, le=100)
+    #: rank-local stalls of a CPU rank (the OS running another thread on its core, Python's garbage
+    #: collector): a Poisson process over each rank's compute time, ``pause_rate_per_s`` stalls per
+    #: second, each of exponential length with mean ``pause_mean_s`` (sim.schedule.apply_pauses);
+    #: with them, ``compute_noise_cv`` is the spread of the segments without their stalls. Fitted
+    #: from a real reference job's segments between calls (hw_validate.desync.fit_pauses)
+    pause_rate_per_s: float | None = Field(default=None, ge=0, le=1e6)
+    pause_mean_s: float | None = Field(default=None, gt=0, le=10)
     sweeps: dict[str, Any] = {}
 
 

@@ -386,6 +386,39 @@ def apply_segment_noise(ops: list, tail_s: np.ndarray, noise) -> np.ndarray:
     return tail_s * factors[-1]
 
 
+def apply_pauses(ops: list, tail_s: np.ndarray, rate_per_s: float, mean_s: float, seed: int) -> np.ndarray:
+    """Rank-local stalls of CPU ranks (calibration ``pause_rate_per_s``, ``pause_mean_s``): while a
+    rank computes, the OS may run another thread on its core or Python's garbage collector may run,
+    and the rank stops for a few milliseconds. Model: a Poisson process over each rank's compute
+    time -- a segment (one :class:`Compute` op) of ``d`` seconds on rank ``r`` gets
+    ``N ~ Poisson(rate_per_s d)`` stalls, each of exponential length with mean ``mean_s`` -- so the
+    segment takes ``d + sum``; its kernels are stretched by the same factor (the stall lands inside
+    the segment's phases, as in the job's timers). The optimizer step (``tail_s``) draws the same
+    way; returns the stretched ``tail_s``. Rank ``r`` draws from its own stream
+    ``SeedSequence(seed, spawn_key=(r,))``, in op order: the same scenario gives the same schedule,
+    and what a rank draws does not depend on the others."""
+    world = len(tail_s)
+    if rate_per_s <= 0 or mean_s <= 0:
+        return tail_s
+    computes = [op for op in ops if isinstance(op, Compute)]
+    out = np.array(tail_s, dtype=np.float64)
+    for r in range(world):
+        rng = np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(r,)))
+        for op in computes:
+            d = float(op.durs[:, r].sum())
+            n = int(rng.poisson(rate_per_s * d)) if d > 0 else 0
+            if n:
+                op.durs[:, r] = op.durs[:, r] * (1.0 + float(rng.gamma(n, mean_s)) / d)
+        d = float(out[r])
+        n = int(rng.poisson(rate_per_s * d)) if d > 0 else 0
+        if n:
+            out[r] = d + float(rng.gamma(n, mean_s))
+    return out
+
+
+#: seed offsets of the calibrated noise streams, and the stride between independent draws of them
+NOISE_SEED, WAKE_SEED, PAUSE_SEED, DRAW_STRIDE = 7919, 104729, 15485863, 1_000_003
+
 WAKE_KERNEL = "wake_wait"
 
 
@@ -443,10 +476,12 @@ def apply_wake_delay(ops: list, tail: Tail, p: float, cap_s: float, seed: int, g
 
 
 def build_schedule(
-    s: Scenario, plan: RoutingPlan | None, cost: CostModel, compute_factor: np.ndarray, jitter=None
+    s: Scenario, plan: RoutingPlan | None, cost: CostModel, compute_factor: np.ndarray, jitter=None, draw: int = 0
 ) -> Schedule:
     """The ops of one step of scenario ``s`` (see the module docstring); ``compute_factor`` (world,)
-    slows every kernel of a rank (stragglers), ``jitter(rank, n)`` draws per-kernel noise factors."""
+    slows every kernel of a rank (stragglers), ``jitter(rank, n)`` draws per-kernel noise factors;
+    ``draw`` picks an independent draw of the calibrated noise (segment noise, stalls, late
+    wake-ups), as one step of a job is one draw of its ranks' noise (default 0)."""
     b = _Builder(s, plan, cost, compute_factor)
     m, t = s.model, s.training
     stage, micros = s.parallelism.zero_stage, t.grad_accum_steps
@@ -512,11 +547,14 @@ def build_schedule(
         else s.topology.node.cpu.adam_Gparams_per_s
     )
     optimizer_s = np.zeros(s.world_size) if offload else np.full(s.world_size, cost.optimizer_time(opt_params))
+    base_seed = s.routing.seed + DRAW_STRIDE * int(draw)
     if cal is not None and cal.compute_noise_cv and s.world_size > 1:
         from sim.faults import KernelJitter
 
         # the calibrated rank-to-rank spread of compute; its own streams (seed: the routing seed)
-        optimizer_s = apply_segment_noise(b.ops, optimizer_s, KernelJitter(cal.compute_noise_cv, s.routing.seed + 7919))
+        optimizer_s = apply_segment_noise(b.ops, optimizer_s, KernelJitter(cal.compute_noise_cv, base_seed + NOISE_SEED))
+    if cal is not None and cal.pause_rate_per_s and cal.pause_mean_s and s.world_size > 1:
+        optimizer_s = apply_pauses(b.ops, optimizer_s, cal.pause_rate_per_s, cal.pause_mean_s, base_seed + PAUSE_SEED)
     tail = Tail(
         optimizer_s=optimizer_s,
         offload_bytes=float(opt_params * b.bpe) if offload else 0.0,
@@ -526,7 +564,7 @@ def build_schedule(
         norm_reduce=stage >= 1,
     )
     if cal is not None and cal.wake_delay_p and cal.wake_delay_cap_s and s.world_size > 1:
-        apply_wake_delay(b.ops, tail, cal.wake_delay_p, cal.wake_delay_cap_s, s.routing.seed + 104729, s.ep_groups())
+        apply_wake_delay(b.ops, tail, cal.wake_delay_p, cal.wake_delay_cap_s, base_seed + WAKE_SEED, s.ep_groups())
     from sim.flops import model_flops_per_token
 
     tokens = s.global_batch_size * t.seq_len
@@ -542,5 +580,5 @@ def build_schedule(
     )
 
 
-__all__ = ["AllToAll", "CapacitySync", "Compute", "Gather", "GradReady", "Schedule", "Tail", "WaitGather", "apply_segment_noise", "apply_wake_delay",
+__all__ = ["AllToAll", "CapacitySync", "Compute", "Gather", "GradReady", "Schedule", "Tail", "WaitGather", "apply_pauses", "apply_segment_noise", "apply_wake_delay",
            "build_schedule"]

@@ -74,10 +74,12 @@ def simulate(
     trace_ranks: set[int] | None = None,
     plan=None,
     healthy: bool = True,
+    draw: int = 0,
 ) -> dict[str, Any]:
     """Simulate one step of ``s``; returns the JSON-ready result (and ``_spans`` when tracing).
     A scenario with ``faults`` is also run on the healthy cluster (``healthy=False`` skips it): the
-    result's ``faults`` section gives the slowdown and who waited on whom."""
+    result's ``faults`` section gives the slowdown and who waited on whom. ``draw``: which
+    independent draw of the calibrated rank noise (sim.schedule.build_schedule; default 0)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     from sim.routing import route_scenario
@@ -89,7 +91,7 @@ def simulate(
     factor = compute_factors(s)
     from sim.faults import jitter_sampler
 
-    sched = build_schedule(s, plan, cost, factor, jitter_sampler(s))
+    sched = build_schedule(s, plan, cost, factor, jitter_sampler(s), draw=draw)
     cluster = _cluster(s)
     if engine == "analytic":
         from sim.analytic import analytic_step
@@ -106,7 +108,7 @@ def simulate(
     if healthy and has_faults(s):
         from sim.faults import describe_faults, without_faults
 
-        base = simulate(without_faults(s), engine, comm_model, policy, plan=plan, healthy=False)
+        base = simulate(without_faults(s), engine, comm_model, policy, plan=plan, healthy=False, draw=draw)
         out["faults"] = {
             "step_time_s": out["step_time_s"],
             "healthy_step_time_s": base["step_time_s"],

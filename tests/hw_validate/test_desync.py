@@ -14,6 +14,7 @@ import pytest
 
 from hw_validate.desync import (
     BIN_EDGES_S,
+    PAUSE_MIN_S,
     REFERENCE,
     aligned_calls,
     desync_rows,
@@ -195,7 +196,15 @@ def test_real_reference_job_gives_a_profile(tmp_path):
     wake, cv = fit_profile(prof)
     if wake is not None:  # too few calls in some bins of so short a job is possible
         assert 0 <= wake[0] <= 1 and 2.5e-4 <= wake[1] <= 3.2e-2
-    assert cv == prof["noise"]["cv"]
+    # the stalls' fit reads the same segments (steps x calls - 1 per rank); with stalls seen the
+    # noise cv is the spread without them
+    pz = prof["pauses"]
+    assert pz["segments"] == 2 * (prof["calls"] - (6 - load_scenario(REFERENCE).training.warmup_steps))
+    if pz["rate_per_s"]:
+        assert cv == pz["body_cv"] and 0 <= cv < 2 and pz["mean_s"] > PAUSE_MIN_S
+    else:
+        assert cv == prof["noise"]["cv"]
+    assert prof["measured"]["phases_s"]["experts"] > 0 and prof["measured"]["step_time_s"] > 0
 
 
 def test_wake_fit_weighs_rows_by_their_calls():
@@ -252,7 +261,8 @@ def _quiet_calibration(**update):
     from sim.calibration import load_calibration
 
     cal = load_calibration(ROOT / "benchmarks" / "accuracy" / "cpu-2rank-gloo.calibration.json")
-    return cal.model_copy(update={"compute_noise_cv": 0.0, "wake_delay_p": 0.0, "compute_scale": None, **update})
+    return cal.model_copy(update={"compute_noise_cv": 0.0, "wake_delay_p": 0.0, "compute_scale": None,
+                            "pause_rate_per_s": None, **update})
 
 
 def _predict(tmp_path: Path, cal, trace: Path, name: str):
@@ -285,8 +295,8 @@ def test_compute_scale_multiplies_the_compute_blocks_only(tmp_path):
 
 def test_fit_compute_scale_recovers_a_planted_factor(tmp_path):
     """A 'job' whose phases are the simulator's own at compute_scale 1.3: the fit on the
-    unscaled calibration gives back 1.3 (measured = hooks + scale x kernels, closed form), and
-    the calibration report names it."""
+    unscaled calibration gives back 1.3 (the secant between scales 1 and 2 is exact where the
+    step is linear in the scale), and the calibration report names it."""
     from hw_validate.calibrate_fit import format_report
     from hw_validate.desync import compute_time, fit_compute_scale
 
@@ -303,3 +313,92 @@ def test_fit_compute_scale_recovers_a_planted_factor(tmp_path):
     cal.sweeps["desync"] = {"scenario": str(REFERENCE), "ranks": 2, "calls": 0, "wake": [], "noise": {},
                             "fit": {"compute_noise_cv": 0.0, "wake_delay_p": None}, "compute": fit}  # fmt: skip
     assert "compute scale 1.300 -- used" in format_report(cal)
+
+
+def _planted_segments(rate: float, mean: float, cv: float, steps: int = 400, seed: int = 5) -> np.ndarray:
+    """(2, steps, 12) segments of 1-8 ms with lognormal noise ``cv`` and Poisson stalls of
+    exponential length (the simulator's model, sim.schedule.apply_pauses)."""
+    rng = np.random.default_rng(seed)
+    base = np.linspace(1e-3, 8e-3, 12)
+    sigma = math.sqrt(math.log1p(cv**2))
+    seg = base * rng.lognormal(-sigma**2 / 2, sigma, (2, steps, 12))
+    n = rng.poisson(rate * np.broadcast_to(base, seg.shape))
+    return seg + np.array([rng.exponential(mean, k).sum() for k in n.ravel()]).reshape(seg.shape)
+
+
+def test_fit_pauses_recovers_the_stalled_time_of_planted_stalls():
+    """Stalls of 5 ms mean (exponential) at 15 per second over segments with a 2% body: the fit
+    sees those above 1 ms, and their rate x mean -- the stalled time per second of compute -- is
+    the planted one within the sampling error, the body's cv comes back without them; no stalls:
+    none found."""
+    from hw_validate.desync import fit_pauses, step_segments
+
+    rate, mean = 15.0, 5e-3
+    fit = fit_pauses(_planted_segments(rate, mean, 0.02))
+    seen = math.exp(-1e-3 / mean)  # the share of exponential stalls above the 1 ms threshold
+    assert fit["rate_per_s"] == pytest.approx(rate * seen, rel=0.1)
+    assert fit["mean_s"] == pytest.approx(mean + 1e-3, rel=0.1)  # memoryless: threshold + mean
+    assert fit["rate_per_s"] * fit["mean_s"] == pytest.approx(rate * mean, rel=0.12)
+    assert fit["body_cv"] == pytest.approx(0.02, rel=0.25) and fit["sigma_rel"] < 0.05
+    quiet = fit_pauses(_planted_segments(0.0, mean, 0.02))
+    assert quiet["rate_per_s"] is None and quiet["pauses"] == 0 and quiet["body_cv"] == pytest.approx(0.02, rel=0.25)
+    # step_segments: entry into call i+1 minus exit from call i within each step
+    ent = np.array([[0.0, 2.0, 5.0, 10.0, 12.0, 15.0, 20.0, 22.0, 25.0]] * 2)
+    ext = ent + 1.0
+    last = np.array([False, False, True] * 3)
+    assert step_segments(ent, ext, last).tolist() == [[[1.0, 2.0]] * 3] * 2
+    assert step_segments(ent[:, :6], ext[:, :6], last[:6]) is None  # fewer than 3 steps
+
+
+def test_apply_pauses_adds_rate_times_mean_of_stall_time_per_second():
+    """Over many segments the stalls add rate x mean x the compute time (Poisson count, exponential
+    lengths); rate 0 adds nothing; the same seed gives the same draws, and a rank's draws do not
+    depend on how many ranks there are."""
+    from sim.schedule import Compute, apply_pauses
+
+    def ops(world):
+        return [Compute(["experts"], np.full((1, world), 4e-3), np.zeros((1, world)), "fwd", i, 0) for i in range(4000)]
+
+    a, b = ops(2), ops(2)
+    tail = apply_pauses(a, np.full(2, 0.01), 20.0, 3e-3, seed=11)
+    apply_pauses(b, np.full(2, 0.01), 20.0, 3e-3, seed=11)
+    added = sum(float(op.durs[:, 0].sum()) for op in a) - 4000 * 4e-3
+    assert added == pytest.approx(20.0 * 3e-3 * 4000 * 4e-3, rel=0.06)
+    assert all(np.array_equal(x.durs, y.durs) for x, y in zip(a, b, strict=True)) and tail[0] >= 0.01
+    c = ops(3)
+    apply_pauses(c, np.full(3, 0.01), 20.0, 3e-3, seed=11)
+    assert all(np.array_equal(x.durs[:, :2], y.durs[:, :2]) for x, y in zip(a, c, strict=True))
+    d = ops(2)
+    assert np.array_equal(apply_pauses(d, np.full(2, 0.01), 0.0, 3e-3, seed=11), np.full(2, 0.01))
+    assert all(np.all(op.durs == 4e-3) for op in d)
+
+
+def test_validate_predicts_the_median_over_noise_draws(tmp_path):
+    """With the calibrated rank noise the prediction is the median over PREDICT_DRAWS independent
+    draws (the job's figure is a median over steps), step and each phase; draw 0 is what
+    ``moesim simulate`` gives; the draws differ; without noise one draw is taken."""
+    from hw_validate.validate import (
+        PREDICT_DRAWS,
+        noise_draws,
+        predicted_phases,
+        simulate_median,
+        simulation_scenario,
+    )
+    from sim.calibration import save_calibration
+    from sim.simulate import simulate
+
+    trace = _reference_trace(tmp_path)
+    noisy = _quiet_calibration(compute_noise_cv=0.1, pause_rate_per_s=20.0, pause_mean_s=4e-3)
+    save_calibration(tmp_path / "noisy.json", noisy)
+    s = simulation_scenario(REFERENCE, [], tmp_path / "noisy.json", trace)
+    assert noise_draws(s) == PREDICT_DRAWS and PREDICT_DRAWS % 2 == 1
+    runs = [simulate(s, trace_ranks={0, 1}, draw=d) for d in range(PREDICT_DRAWS)]
+    steps = [r["step_time_s"] for r in runs]
+    assert len(set(steps)) == PREDICT_DRAWS  # independent draws
+    step, phases, res0, _ = simulate_median(s)
+    assert step == pytest.approx(float(np.median(steps)), rel=1e-12) and phases["step"] == step
+    per = [predicted_phases(r.pop("_spans"), 2) for r in runs]
+    assert phases["experts_bwd"] == pytest.approx(float(np.median([p["experts_bwd"] for p in per])), rel=1e-12)
+    assert res0["step_time_s"] == steps[0] == simulate(s)["step_time_s"]
+    save_calibration(tmp_path / "quiet.json", _quiet_calibration())
+    assert noise_draws(simulation_scenario(REFERENCE, [], tmp_path / "quiet.json", trace)) == 1
