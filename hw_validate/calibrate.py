@@ -20,6 +20,12 @@ measurements when the simulator uses them:
   ``optimizer_step_overhead_us`` (DeepSpeed's ``engine.step()`` under the scenarios' ZeRO stage, its
   collectives taken off, with each rank stepping the scenarios' partition sizes; torch Adam on flat
   fp32 partitions when DeepSpeed is not installed).
+- On >= 2 gloo ranks, from a short real job of a reference scenario (:mod:`hw_validate.desync`):
+  the late wake-ups after blocking calls (``wake_delay_p``, ``wake_delay_cap_s``), the ranks'
+  stalls (``pause_rate_per_s``, ``pause_mean_s``: each segment between calls against its median
+  over the steps), the spread of the segments without them (``compute_noise_cv``), and the in-job
+  compute factor (``compute_scale``: the job's forward and backward compute against the simulator's
+  with the other figures, solved by simulating the job as it ran).
 
 Every item is timed in repetitions; the fits read the median (``stat="p25"``: the lower
 quartile). Raw measurements (the nccl-tests-style table with algbw/busbw among them, each row's

@@ -16,14 +16,19 @@ a slower peer (a real ``all_to_all_single`` returns only when its peers arrive, 
 includes that wait too); ``grad_sync`` is the comm stream's gradient reductions, ``optimizer_comm``
 ZeRO's post-step parameter all-gather; ``forward`` ends with the last forward kernel, ``backward``
 when the optimizer can start (reductions drained), ``optimizer`` is the optimizer plus its gather,
-``step`` the rank's end. As in the Measurement, a phase's figure is the slowest rank's.
+``step`` the rank's end. As in the Measurement, a phase's figure is the slowest rank's. When the
+calibration carries rank noise (segment noise, stalls, late wake-ups), one simulated step is one
+draw of it, as one step of the job is: the prediction is the median over :data:`PREDICT_DRAWS`
+independent draws, of the step time and of each phase, as the measured side is the median over
+the measured steps (``predicted.draws`` says how many were taken).
 
 Result (``moesim validate --json``; ``format: moesim.validation``, version 1; seconds)::
 
     {"scenario", "scenario_file", "overrides", "steps",
      "measured":  {"step_time_s", "phases_s": {phase: median s}, "p10_s": {...}, "p90_s": {...},
                    "environment": {...}, "measurement_file", "dropped_fraction"},
-     "predicted": {"step_time_s", "phases_s": {...}, "breakdown_s": {...}, "engine", "comm_model"},
+     "predicted": {"step_time_s", "phases_s": {...}, "breakdown_s": {...}, "engine", "comm_model",
+                   "draws"},
      "error":     {"step_time_rel", "phases_rel": {phase: rel | null}, "worst_phase",
                    "worst_phase_abs_s"},
      "phases": [{"phase", "measured_s", "predicted_s", "error_rel", "abs_error_s", "p10_s", "p90_s"}],
