@@ -55,7 +55,7 @@ import numpy as np
 
 from hw_validate.calibrate_fit import STATS, CalibrationRun, bench_cluster, fit_all, format_report
 from hw_validate.diagnose import cause_of
-from hw_validate.jit_ops import accelerator_of, needed_ops
+from hw_validate.jit_ops import accelerator_of, cpu_rank_env, needed_ops
 from hw_validate.launch import JobError, free_port, launcher_head, prepare_ops, remove_shm_buffers, stop_group
 from sim.calibration import save_calibration
 from sim.errors import InputError
@@ -275,6 +275,7 @@ def run_microbench(
     env.setdefault("PYTHONUNBUFFERED", "1")
     if spec.get("backend") == "gloo":
         env.setdefault("DS_ACCELERATOR", "cpu")
+    env = cpu_rank_env(env)
     uses_ds = launcher == "deepspeed" or (spec.get("optimizer") or {}).get("impl") == "deepspeed"
     if uses_ds and accelerator_of(env) == "cpu":
         try:

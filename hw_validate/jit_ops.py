@@ -58,6 +58,27 @@ def needed_ops(accelerator: str, offload_optimizer: str | None) -> list[str]:
     return ops
 
 
+#: glibc malloc settings for CPU ranks (``GLIBC_TUNABLES``): keep freed memory in the process
+#: instead of giving it back to the kernel. By default glibc serves buffers over 128 KiB-32 MiB
+#: with fresh mmaps and trims its heap, so every step unmaps and refaults megabytes of gradient
+#: and optimizer buffers; in a VM a refault is cheap at the median and slow in its tail (a fresh
+#: 16 MiB buffer: 0.6 ms median, 42 ms max), and those stalls land in the step's tail (ZeRO's
+#: gradient copies, the optimizer). PyTorch's CUDA caching allocator keeps its blocks, so with
+#: these settings a CPU rank's memory behaves as a GPU job's does. Measured on a 2-core VM
+#: (e8-top3-dropless, 30 steps, 2 runs each): optimizer 19.1-19.6 -> 14.7-15.9 ms.
+CPU_MALLOC_TUNABLES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296:glibc.malloc.top_pad=67108864"
+
+
+def cpu_rank_env(env: dict[str, str]) -> dict[str, str]:
+    """``env`` for the ranks of a job: on CPU ranks :data:`CPU_MALLOC_TUNABLES` is added, unless
+    ``GLIBC_TUNABLES`` is set already (the user's own settings win) or ``MOESIM_CPU_MALLOC=default``
+    (glibc's defaults, to measure a job as an untuned CPU run)."""
+    out = dict(env)
+    if accelerator_of(out) == "cpu" and not out.get("GLIBC_TUNABLES") and out.get("MOESIM_CPU_MALLOC") != "default":
+        out["GLIBC_TUNABLES"] = CPU_MALLOC_TUNABLES
+    return out
+
+
 def accelerator_of(env: dict[str, str]) -> str:
     """The accelerator DeepSpeed will pick in a job run with ``env``: ``DS_ACCELERATOR`` when set,
     else ``cuda`` where an NVIDIA driver is present (what DeepSpeed's auto-detection finds), else ``cpu``."""

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from hw_validate.diagnose import cause_of, explain_exit, explain_timeout, read_states
-from hw_validate.jit_ops import BuildError, accelerator_of, needed_ops, prepare
+from hw_validate.jit_ops import BuildError, accelerator_of, cpu_rank_env, needed_ops, prepare
 from sim.errors import InputError
 from sim.scenario import load_scenario
 
@@ -230,7 +230,7 @@ def run_job(
     script_args += list(extra_args)
     port = free_port()
     cmd = build_command(launcher, nproc, script_args, port)
-    run_env = dict(os.environ if env is None else env)
+    run_env = cpu_rank_env(os.environ if env is None else env)
     run_env.update(MOESIM_RUN_DIR=str(staging), MOESIM_LAUNCHER=launcher, PYTHONUNBUFFERED="1")
     root = str(HERE.parent)
     run_env["PYTHONPATH"] = root + (os.pathsep + run_env["PYTHONPATH"] if run_env.get("PYTHONPATH") else "")

@@ -11,7 +11,8 @@ Format (``format: moesim.measurement``, ``version: 1``; seconds everywhere; writ
         "python": "3.11.7", "torch": "2.13.0+cpu", "deepspeed": "0.19.8",
         "accelerator": "cpu" | "cuda", "backend": "gloo" | "nccl" | "ccl", "backend_version": "...",
         "devices": ["cpu", ...] | ["NVIDIA H100 80GB HBM3", ...],  # per rank
-        "world_size": 2, "threads_per_rank": 1, "launcher": "deepspeed" | "torchrun" | "unknown"
+        "world_size": 2, "threads_per_rank": 1, "launcher": "deepspeed" | "torchrun" | "unknown",
+        "glibc_tunables": "glibc.malloc...." | null             # CPU ranks: hw_validate.jit_ops.CPU_MALLOC_TUNABLES
       },
       "config": {                                                # what the job really did
         "dtype": "fp32", "dtype_requested": "fp32", "zero_stage": 2, "offload_optimizer": "none",

@@ -656,6 +656,7 @@ def hardware(device: torch.device, backend: str, world: int, threads: int) -> di
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cuda": torch.version.cuda if device.type == "cuda" else None,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES") or None,
     }
 
 

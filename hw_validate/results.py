@@ -71,6 +71,7 @@ def environment(accelerator: str, per_rank: list[dict[str, Any]], launcher: str)
         "world_size": dist.get_world_size(),
         "threads_per_rank": per_rank[0]["threads"],
         "launcher": launcher,
+        "glibc_tunables": os.environ.get("GLIBC_TUNABLES") or None,
     }
 
 

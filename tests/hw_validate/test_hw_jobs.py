@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("deepspeed")
 
+from hw_validate.jit_ops import CPU_MALLOC_TUNABLES  # noqa: E402
 from hw_validate.launch import JobError, run_job  # noqa: E402
 from hw_validate.measurement import load_measurement  # noqa: E402
 from sim.scenario import load_scenario  # noqa: E402
@@ -60,6 +61,8 @@ def test_measurement_records_environment_config_and_phases(cpu2_job):
     assert env["world_size"] == 2 and env["backend"] == "gloo" and env["accelerator"] == "cpu"
     assert env["torch"] == version("torch") and env["deepspeed"] == version("deepspeed")
     assert len(env["devices"]) == 2 and len(env["hostnames"]) == 2 and env["launcher"] == "deepspeed"
+    expect = os.environ.get("GLIBC_TUNABLES") or (None if os.environ.get("MOESIM_CPU_MALLOC") == "default" else CPU_MALLOC_TUNABLES)
+    assert env["glibc_tunables"] == expect  # CPU ranks keep their freed memory (hw_validate.jit_ops)
     assert (cfg["ep"], cfg["edp"], cfg["zero_stage"], cfg["dtype"], cfg["train_batch_size"]) == (2, 1, 2, "fp32", 8)
     assert m["measured_steps"] == list(range(scen.training.warmup_steps, TRAIN_STEPS))
     t = m["timing"]

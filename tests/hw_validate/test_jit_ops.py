@@ -87,3 +87,31 @@ def test_failure_cause_survives_a_progress_bar_after_it():
     for _ in range(3000):  # 30 KB of other output pushes it out
         tail.append(b"x" * 10)
     assert tail.size <= 16384 + 10 and _cause(tail) is None
+
+
+def test_cpu_ranks_keep_freed_memory_unless_told_otherwise():
+    env = jit_ops.cpu_rank_env({"DS_ACCELERATOR": "cpu", "PATH": "/bin"})
+    assert env["GLIBC_TUNABLES"] == jit_ops.CPU_MALLOC_TUNABLES and env["PATH"] == "/bin"
+    # every tunable is one glibc knows, with a value it accepts (mmap_threshold at most 32 MiB on 64-bit)
+    tun = dict(kv.split("=") for kv in jit_ops.CPU_MALLOC_TUNABLES.split(":"))
+    assert set(tun) == {"glibc.malloc.mmap_threshold", "glibc.malloc.trim_threshold", "glibc.malloc.top_pad"}
+    assert int(tun["glibc.malloc.mmap_threshold"]) <= 32 << 20
+    # the user's own settings, an untuned run on request, and GPU ranks are left alone
+    assert jit_ops.cpu_rank_env({"DS_ACCELERATOR": "cpu", "GLIBC_TUNABLES": "x=1"})["GLIBC_TUNABLES"] == "x=1"
+    assert "GLIBC_TUNABLES" not in jit_ops.cpu_rank_env({"DS_ACCELERATOR": "cpu", "MOESIM_CPU_MALLOC": "default"})
+    assert "GLIBC_TUNABLES" not in jit_ops.cpu_rank_env({"DS_ACCELERATOR": "cuda"})
+
+
+def test_glibc_takes_the_cpu_malloc_tunables():
+    """glibc ignores a tunable it rejects without a word, so check its effect: with the 32 MiB mmap
+    threshold an 8 MiB block comes from the heap (below the program break), by default from a
+    fresh mmap (far above it)."""
+    probe = (
+        "import ctypes; libc = ctypes.CDLL(None); libc.malloc.restype = ctypes.c_void_p; "
+        "libc.sbrk.restype = ctypes.c_void_p; p = libc.malloc(8 << 20); "
+        "print('heap' if p < libc.sbrk(0) else 'mmap')"
+    )
+    base = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+    runs = [subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60, env=env)
+            for env in ({**base, "GLIBC_TUNABLES": jit_ops.CPU_MALLOC_TUNABLES}, base)]  # fmt: skip
+    assert [r.stdout.strip() for r in runs] == ["heap", "mmap"]
