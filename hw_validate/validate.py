@@ -143,8 +143,11 @@ def simulation_scenario(scenario: str | Path, overrides: list[str], calibration:
     return s
 
 
-#: independent draws of the calibrated rank noise a prediction takes the median of (odd)
-PREDICT_DRAWS = 9
+#: independent draws of the calibrated rank noise a prediction takes the median of (odd). The step
+#: is heavy-tailed (stalls of several ms), so the median of few draws moves: on record 2026-12-06's
+#: 18 jobs 9 draws and 33 draws differed by up to 7 ms a step (e16-top2-t1024: 185.2 vs 178.0 ms);
+#: one draw of these scenarios takes ~16 ms to simulate
+PREDICT_DRAWS = 65
 
 
 def noise_draws(s, draws: int = PREDICT_DRAWS) -> int:

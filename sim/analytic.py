@@ -113,8 +113,12 @@ def analytic_step(s, sched: Schedule, plan, cluster, cost) -> dict[str, Any]:
             wait_until(gathers.pop(op.key))
     wait_until(comm_free)
     tail = sched.tail
-    if tail.norm_reduce:  # the gradient norm's all-reduces, blocking (sim.engine.Engine._norm_reduce)
-        norm = red_time("all_reduce", dp_group, 4.0) + red_time("all_reduce", edp_group, 4.0)
+    norm_compute = 0.0
+    if tail.norm_reduce:  # the gradient norm, blocking (sim.engine.Engine._grad_norm)
+        norm = len(tail.norm_s) * red_time("all_reduce", dp_group, 4.0)
+        if len(tail.norm_s) > 1:
+            norm += red_time("all_reduce", edp_group, 4.0)
+        norm_compute = float(sum(np.mean(part) for part in tail.norm_s))
         exposed += norm
         grad_total += norm
     if tail.offload_bytes:
@@ -123,6 +127,7 @@ def analytic_step(s, sched: Schedule, plan, cluster, cost) -> dict[str, Any]:
         optimizer = 2 * hop + tail.cpu_adam_s
     else:
         optimizer = float(tail.optimizer_s.mean())
+    optimizer += norm_compute
     gather = red_time("all_gather", dp_group, tail.gather_nonexpert * bpe) + red_time(
         "all_gather", edp_group, tail.gather_expert * bpe
     )

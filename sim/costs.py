@@ -188,12 +188,26 @@ class CostModel:
         nb = np.asarray(nbytes, dtype=np.float64)
         return np.where(nb > 0, nb / self.dispatcher_Bps + ops * self.dispatcher_op_s, 0.0)
 
+    def grad_norm_time(self, tensors: float, params: float) -> float:
+        """One parameter group's share of ZeRO's gradient norm on a rank (DeepSpeed
+        ``get_grad_norm_direct``): per gradient tensor of the partition a cast to fp64, a
+        ``vector_norm`` and a move (:data:`NORM_OPS_PER_TENSOR` eager ops), then stack, pow and sum;
+        bytes: each fp32 gradient read, its fp64 copy written and read."""
+        if tensors <= 0:
+            return 0.0
+        ops = NORM_OPS_PER_TENSOR * tensors + 3
+        return ops * self.dispatcher_op_s + params * (4 + 8 + 8) / self.hbm_Bps
+
     def optimizer_time(self, params: float) -> float:
         """Fused Adam step on the device over ``params`` parameters (memory bound) plus the step's
         fixed overhead (:attr:`optimizer_overhead_s`)."""
         if params <= 0:
             return 0.0
         return params * self.optimizer_bytes_per_param / self.hbm_Bps + self.optimizer_overhead_s
+
+
+#: eager ops per gradient tensor in DeepSpeed's gradient norm (``.to(fp64)``, ``vector_norm``, ``.to(device)``)
+NORM_OPS_PER_TENSOR = 3
 
 
 def cpu_adam_time(params: float, ranks_per_node: int, adam_Gparams_per_s: float) -> float:
@@ -207,4 +221,4 @@ def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-__all__ = ["BYTES_PER_ELEMENT", "CostModel", "ceil_div", "cpu_adam_time"]
+__all__ = ["BYTES_PER_ELEMENT", "NORM_OPS_PER_TENSOR", "CostModel", "ceil_div", "cpu_adam_time"]

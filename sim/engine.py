@@ -306,9 +306,26 @@ class Engine:
         return self._enqueue(rank, ("all_reduce", ("capacity", idx, rank // self.ep), group, op.nbytes,
                                     "capacity_sync"))  # fmt: skip
 
-    def _norm_reduce(self, rank: int) -> simpy.Event | None:
-        """The gradient norm's fp32 all-reduces (data-parallel, then expert-data-parallel group)."""
-        return self._over_dp_edp(rank, "all_reduce", ("grad_norm",), 4.0, 4.0, "grad_norm")
+    def _grad_norm(self, rank: int):
+        """ZeRO's gradient norm (sim.schedule.Tail.norm_s): per parameter group the rank's partial
+        norm, then an fp32 all-reduce over the data-parallel group; then the expert group's over
+        its expert-data-parallel group. The partial norms count as the optimizer's compute."""
+        env, key, tail = self.env, self.key, self.sched.tail
+        for g, part in enumerate(tail.norm_s):
+            t0 = env.now
+            if part[rank] > 0:
+                yield env.timeout(float(part[rank]))
+                key["optimizer"][rank] += env.now - t0
+                self._span(rank, "optimizer", t0, env.now, part="grad_norm")
+            evs = [self._over_dp_edp(rank, "all_reduce", ("grad_norm", g), 4.0, 0.0, "grad_norm")]
+            if g == len(tail.norm_s) - 1 and g > 0:  # the expert group: DeepSpeed's _average_expert_grad_norms
+                evs.append(self._over_dp_edp(rank, "all_reduce", ("grad_norm", "ex"), 0.0, 4.0, "grad_norm"))
+            for ev in evs:
+                if ev is not None:
+                    t0 = env.now
+                    yield ev
+                    key["exposed_comm"][rank] += env.now - t0
+                    self._span(rank, "grad_norm_wait", t0, env.now)
 
     # ---- compute stream -----------------------------------------------------------------------
     def _span(self, rank: int, name: str, start: float, end: float, **args) -> None:
@@ -401,12 +418,7 @@ class Engine:
         key["exposed_comm"][rank] += env.now - t0
         self._span(rank, "grad_sync_wait", t0, env.now)
         if tail.norm_reduce:
-            t0 = env.now
-            ev = self._norm_reduce(rank)
-            if ev is not None:
-                yield ev
-                key["exposed_comm"][rank] += env.now - t0
-                self._span(rank, "grad_norm_wait", t0, env.now)
+            yield from self._grad_norm(rank)
             yield from self._wake(rank, tail.wake_norm_s)
         t0 = env.now
         if tail.offload_bytes:

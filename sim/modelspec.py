@@ -181,6 +181,41 @@ def count_params(model: ModelConfig) -> ParamCounts:
     )
 
 
+def _ffn_tensors(ffn_type: str, bias: bool) -> int:
+    """Weight (and bias) tensors of one FFN, as :func:`ffn_params` counts its matrices."""
+    mats = {"linear": 1, "gated": 3}.get(ffn_type, 2)
+    return mats * (2 if bias else 1)
+
+
+def layer_tensors(m: ModelConfig, layer: int) -> tuple[int, int]:
+    """``(non_expert, per_expert)``: parameter tensors of layer ``layer`` as HF-style modules hold
+    them (unfused q/k/v/o, each norm's scale and LayerNorm's bias, every routed expert's own
+    matrices and biases). Frameworks loop over tensors in the optimizer's gradient norm (one
+    ``vector_norm`` each in DeepSpeed's ``get_grad_norm_direct``), so per-tensor work scales with
+    this count, not with the parameters."""
+    norm = 2 if m.norm_type == "layernorm" else 1
+    if m.attention == "none":
+        attn = 0
+    elif m.attention == "mla":  # q (or q_a, q_a norm, q_b), kv_a, kv_a norm, kv_b, o
+        attn = (3 if m.q_lora_rank else 1) + 4
+    else:
+        attn = 4 + (3 if m.attention_bias else 0) + (2 * norm if m.qk_norm in ("head", "full") else 0)
+    lp = layer_params(m, layer)
+    non_expert = attn + 2 * norm
+    if lp.dense_ffn:
+        non_expert += _ffn_tensors(m.ffn_type, m.linear_bias)
+    if lp.shared_expert:
+        non_expert += m.num_shared_experts * _ffn_tensors(m.ffn_type, m.linear_bias) + int(bool(m.shared_expert_gate))
+    if lp.router:
+        non_expert += 1 + int(bool(m.router_bias))
+    return non_expert, (_ffn_tensors(m.ffn_type, m.linear_bias) if lp.num_experts else 0)
+
+
+def outer_tensors(m: ModelConfig) -> int:
+    """Tensors outside the layers: the embedding, the untied LM head, the final norm's."""
+    return 1 + (0 if m.tie_word_embeddings else 1) + (2 if m.norm_type == "layernorm" else 1)
+
+
 __all__ = [
     "LayerParams",
     "ParamCounts",
@@ -188,6 +223,8 @@ __all__ = [
     "count_params",
     "ffn_params",
     "layer_params",
+    "layer_tensors",
     "mtp_params",
+    "outer_tensors",
     "qk_norm_params",
 ]

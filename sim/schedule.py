@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from sim.costs import BYTES_PER_ELEMENT, CostModel, cpu_adam_time
+from sim.costs import BYTES_PER_ELEMENT, CostModel, ceil_div, cpu_adam_time
 from sim.flops import (
     attention_core_flops,
     attention_gemms,
@@ -45,7 +45,7 @@ from sim.flops import (
     router_gemm,
     shared_expert_gemms,
 )
-from sim.modelspec import count_params, layer_params
+from sim.modelspec import count_params, layer_params, layer_tensors, outer_tensors
 from sim.routing import RoutingPlan
 from sim.scenario import Scenario
 
@@ -173,10 +173,13 @@ class Tail:
     cpu_adam_s: float
     gather_nonexpert: int  # ZeRO-1/2 post-step all-gather, parameters per rank's partition x group
     gather_expert: int
-    #: ZeRO-1/2/3 compute the global gradient norm before the update: an fp32 all-reduce over the
-    #: data-parallel group and one over each expert-data-parallel group (DeepSpeed's
-    #: ``get_grad_norm_direct`` / ``_average_expert_grad_norms``), blocking the step
+    #: ZeRO-1/2/3 compute the global gradient norm before the update (DeepSpeed's
+    #: ``scaled_global_norm``): per parameter group (non-expert, then the experts') the norm of the
+    #: rank's partition (``norm_s[g]``, seconds per rank) and an fp32 all-reduce over the
+    #: data-parallel group (``get_grad_norm_direct``), then the expert group's norm again over the
+    #: expert-data-parallel group (``_average_expert_grad_norms``); blocking the step
     norm_reduce: bool = False
+    norm_s: list = field(default_factory=list)
     #: CPU ranks (sim.schedule.apply_wake_delay): seconds a rank resumes late after the gradient
     #: norm's all-reduce (before the optimizer) and after the post-step parameter all-gather
     wake_norm_s: np.ndarray | None = None
@@ -227,19 +230,22 @@ class _Builder:
         full = np.ones(self.world)
         return self.cost.dispatcher_time(bytes_f * full, ops_f), self.cost.dispatcher_time(bytes_b * full, ops_b)
 
-    def grad_hooks(self, params: int, layer: int, micro: int, overhead: bool = False) -> None:
-        """ZeRO-1/2's backward beyond autograd (DeepSpeed's gradient hooks copying each gradient into
-        the reduce bucket, partition bookkeeping) for ``params`` parameters of the rank, when the
-        calibration measured it (``zero_grad_hook_*``); ``overhead``: plus its fixed cost."""
+    def grad_hooks(self, params: int, layer: int, micro: int, epilogue: bool = False) -> None:
+        """ZeRO-1/2's backward beyond autograd, when the calibration measured it
+        (``zero_grad_hook_*``): DeepSpeed's gradient hooks copying each of the rank's ``params``
+        gradients into the reduce bucket; ``epilogue``: instead its fixed cost, the backward's
+        epilogue after the last bucket's reduction (``independent_gradient_partition_epilogue``:
+        gradients copied into the rank's partition, buckets released), ``zero_epilogue``."""
         cal = self.cost.calibration
         if cal is None or cal.zero_grad_hook_ns_per_param is None or self.s.parallelism.zero_stage not in (1, 2):
             return
-        dur = params * cal.zero_grad_hook_ns_per_param * 1e-9
-        if overhead:
-            dur += (cal.zero_grad_hook_overhead_us or 0.0) * 1e-6
+        if epilogue:
+            dur, name = (cal.zero_grad_hook_overhead_us or 0.0) * 1e-6, "zero_epilogue"
+        else:
+            dur, name = params * cal.zero_grad_hook_ns_per_param * 1e-9, "grad_hooks"
         if dur > 0:
             d = np.full((1, self.world), dur) * self.factor
-            self.ops.append(Compute(["grad_hooks"], d, np.zeros((1, self.world)), "bwd", layer, micro))
+            self.ops.append(Compute([name], d, np.zeros((1, self.world)), "bwd", layer, micro))
 
     def _mem(self, nbytes: float | np.ndarray, kernels: int = 1) -> np.ndarray:
         nb = np.broadcast_to(np.asarray(nbytes, dtype=np.float64), (self.world,))
@@ -376,14 +382,16 @@ def apply_segment_noise(ops: list, tail_s: np.ndarray, noise) -> np.ndarray:
     """Scale every compute segment (one :class:`Compute` op: the kernels between two collectives)
     of every rank by its own draw of ``noise(rank, n)`` -- all kernels of a segment by the same
     factor, since the spread measured between ranks is of whole segments (a slower core, a
-    preemption), not of independent kernels -- and the optimizer step (``tail_s``) by one more
-    draw; returns the scaled ``tail_s``. Draws are in op order per rank, as in :func:`apply_jitter`."""
+    preemption), not of independent kernels -- and each of the tail's segments (``tail_s``: (world,)
+    or (segments, world), the optimizer step and the gradient norm's parts) by one more draw each;
+    returns the scaled ``tail_s``. Draws are in op order per rank, as in :func:`apply_jitter`."""
     computes = [op for op in ops if isinstance(op, Compute)]
-    world = len(tail_s)
-    factors = np.stack([np.asarray(noise(r, len(computes) + 1), dtype=np.float64) for r in range(world)], axis=1)
+    tail = np.atleast_2d(np.asarray(tail_s, dtype=np.float64))
+    world = tail.shape[1]
+    factors = np.stack([np.asarray(noise(r, len(computes) + len(tail)), dtype=np.float64) for r in range(world)], axis=1)
     for i, op in enumerate(computes):
         op.durs = op.durs * factors[i][None, :]
-    return tail_s * factors[-1]
+    return (tail * factors[len(computes) :]).reshape(np.shape(tail_s))
 
 
 def apply_pauses(ops: list, tail_s: np.ndarray, rate_per_s: float, mean_s: float, seed: int) -> np.ndarray:
@@ -393,27 +401,27 @@ def apply_pauses(ops: list, tail_s: np.ndarray, rate_per_s: float, mean_s: float
     time -- a segment (one :class:`Compute` op) of ``d`` seconds on rank ``r`` gets
     ``N ~ Poisson(rate_per_s d)`` stalls, each of exponential length with mean ``mean_s`` -- so the
     segment takes ``d + sum``; its kernels are stretched by the same factor (the stall lands inside
-    the segment's phases, as in the job's timers). The optimizer step (``tail_s``) draws the same
-    way; returns the stretched ``tail_s``. Rank ``r`` draws from its own stream
+    the segment's phases, as in the job's timers). The tail's segments (``tail_s``: (world,) or
+    (segments, world)) draw the same way; returns the stretched ``tail_s``. Rank ``r`` draws from its own stream
     ``SeedSequence(seed, spawn_key=(r,))``, in op order: the same scenario gives the same schedule,
     and what a rank draws does not depend on the others."""
-    world = len(tail_s)
     if rate_per_s <= 0 or mean_s <= 0:
         return tail_s
     computes = [op for op in ops if isinstance(op, Compute)]
-    out = np.array(tail_s, dtype=np.float64)
-    for r in range(world):
+    out = np.atleast_2d(np.array(tail_s, dtype=np.float64))
+    for r in range(out.shape[1]):
         rng = np.random.default_rng(np.random.SeedSequence(int(seed), spawn_key=(r,)))
         for op in computes:
             d = float(op.durs[:, r].sum())
             n = int(rng.poisson(rate_per_s * d)) if d > 0 else 0
             if n:
                 op.durs[:, r] = op.durs[:, r] * (1.0 + float(rng.gamma(n, mean_s)) / d)
-        d = float(out[r])
-        n = int(rng.poisson(rate_per_s * d)) if d > 0 else 0
-        if n:
-            out[r] = d + float(rng.gamma(n, mean_s))
-    return out
+        for row in out:
+            d = float(row[r])
+            n = int(rng.poisson(rate_per_s * d)) if d > 0 else 0
+            if n:
+                row[r] = d + float(rng.gamma(n, mean_s))
+    return out.reshape(np.shape(tail_s))
 
 
 #: seed offsets of the calibrated noise streams, and the stride between independent draws of them
@@ -530,8 +538,9 @@ def build_schedule(
                 b.ops.append(GradReady(i, ne[i], ex[i], blocking=not overlap))
         b.compute([("embedding", None)], "bwd", -1, micro)
         if reduce_now:
-            b.grad_hooks(emb, -1, micro, overhead=True)
+            b.grad_hooks(emb, -1, micro)
             b.ops.append(GradReady(-1, emb, 0, flush=True, blocking=not overlap))
+            b.grad_hooks(0, -1, micro, epilogue=True)
     if stage == 0:
         b.ops.append(GradReady(-1, sum(ne) + emb + head, sum(ex), flush=True))
     if jitter is not None:
@@ -547,21 +556,31 @@ def build_schedule(
         else s.topology.node.cpu.adam_Gparams_per_s
     )
     optimizer_s = np.zeros(s.world_size) if offload else np.full(s.world_size, cost.optimizer_time(opt_params))
+    norm_s = []
+    if stage >= 1:  # the gradient norm of each parameter group's partition, non-expert then expert
+        tensors = [layer_tensors(m, i) for i in range(m.num_layers)]
+        ne_tensors = outer_tensors(m) + sum(t[0] for t in tensors)
+        norm_s.append(cost.grad_norm_time(ceil_div(ne_tensors, dp), ceil_div(ne_total, dp)))
+        if ex_total:
+            ex_tensors = sum(t[1] * epr for i, t in enumerate(tensors) if moe_index[i] is not None)
+            norm_s.append(cost.grad_norm_time(ceil_div(ex_tensors, edp), ceil_div(ex_total, edp)))
+    tail_s = np.vstack([optimizer_s, *(np.full(s.world_size, x) for x in norm_s)])
     base_seed = s.routing.seed + DRAW_STRIDE * int(draw)
     if cal is not None and cal.compute_noise_cv and s.world_size > 1:
         from sim.faults import KernelJitter
 
         # the calibrated rank-to-rank spread of compute; its own streams (seed: the routing seed)
-        optimizer_s = apply_segment_noise(b.ops, optimizer_s, KernelJitter(cal.compute_noise_cv, base_seed + NOISE_SEED))
+        tail_s = apply_segment_noise(b.ops, tail_s, KernelJitter(cal.compute_noise_cv, base_seed + NOISE_SEED))
     if cal is not None and cal.pause_rate_per_s and cal.pause_mean_s and s.world_size > 1:
-        optimizer_s = apply_pauses(b.ops, optimizer_s, cal.pause_rate_per_s, cal.pause_mean_s, base_seed + PAUSE_SEED)
+        tail_s = apply_pauses(b.ops, tail_s, cal.pause_rate_per_s, cal.pause_mean_s, base_seed + PAUSE_SEED)
     tail = Tail(
-        optimizer_s=optimizer_s,
+        optimizer_s=tail_s[0],
         offload_bytes=float(opt_params * b.bpe) if offload else 0.0,
         cpu_adam_s=cpu_adam_time(opt_params, s.gpus_per_node, rate) if offload else 0.0,
         gather_nonexpert=ne_total if stage in (1, 2) else 0,
         gather_expert=ex_total if stage in (1, 2) else 0,
         norm_reduce=stage >= 1,
+        norm_s=list(tail_s[1:]),
     )
     if cal is not None and cal.wake_delay_p and cal.wake_delay_cap_s and s.world_size > 1:
         apply_wake_delay(b.ops, tail, cal.wake_delay_p, cal.wake_delay_cap_s, base_seed + WAKE_SEED, s.ep_groups())

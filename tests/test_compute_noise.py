@@ -81,3 +81,27 @@ def test_noise_makes_ranks_wait_and_is_deterministic(tmp_path):
     noisy = runs[0]
     assert noisy["breakdown_s"]["imbalance_wait"] > 0
     assert noisy["step_time_s"] > clean["step_time_s"]
+
+
+def test_tail_segments_draw_their_own_noise_and_stalls():
+    """The tail's segments (optimizer step, each group's gradient norm) each draw one factor after
+    the ops' draws; a (world,) tail draws exactly as one row of a (segments, world) tail."""
+    from sim.schedule import apply_pauses, apply_segment_noise
+
+    def ops():
+        return [Compute(["k"], np.full((1, 2), 1e-3), np.zeros((1, 2)), "fwd", 0, 0) for _ in range(3)]
+
+    def noise(r, n):
+        return np.arange(1, n + 1, dtype=float) * (r + 1)
+
+    tail = np.array([[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]])
+    o = ops()
+    got = apply_segment_noise(o, tail, noise)
+    assert got.tolist() == [[4.0, 8.0], [10.0, 20.0], [18.0, 36.0]]  # draws 4, 5, 6 (x rank + 1)
+    assert [float(op.durs[0, 1]) for op in o] == pytest.approx([2e-3, 4e-3, 6e-3])
+    assert apply_segment_noise(ops(), tail[0], noise).tolist() == [4.0, 8.0]
+    # stalls: a 1-D tail is the 2-D tail's first row; rows draw in turn on each rank's stream
+    one = apply_pauses(ops(), np.array([0.5, 0.5]), 40.0, 0.01, seed=3)
+    two = apply_pauses(ops(), np.array([[0.5, 0.5], [0.5, 0.5]]), 40.0, 0.01, seed=3)
+    assert two.shape == (2, 2) and two[0].tolist() == one.tolist()
+    assert (two > 0.5).all() and two[1].tolist() != two[0].tolist()  # 20 stalls expected per row

@@ -171,8 +171,10 @@ def _hook_ops(tmp_path, name, stage, **cal):
 
 def test_zero2_backward_pays_calibrated_gradient_hooks_per_parameter(tmp_path):
     """ZeRO-2 with zero_grad_hook_* calibrated: one grad_hooks op before every GradReady, each
-    costing ns x the parameters it hands over, the overhead once, at the flush; the sum over the
-    step is ns x the rank's parameters + overhead. Uncalibrated or ZeRO-0/3: no such op."""
+    costing ns x the parameters it hands over (the sum over the step: ns x the rank's parameters),
+    and the fixed overhead once, as the backward's epilogue (``zero_epilogue``) right after the
+    flushing GradReady, where DeepSpeed copies the reduced gradients into the rank's partition.
+    Uncalibrated or ZeRO-0/3: no such op."""
     from sim.schedule import GradReady
 
     s, sched, hooks = _hook_ops(
@@ -182,15 +184,16 @@ def test_zero2_backward_pays_calibrated_gradient_hooks_per_parameter(tmp_path):
     assert len(hooks) == len(ready) > 2
     params = sum(op.nonexpert + op.expert for op in ready)
     total = sum(float(op.durs[0, 0]) for op in hooks)
-    assert total == pytest.approx(params * 10e-9 + 500e-6, rel=1e-9)
+    assert total == pytest.approx(params * 10e-9, rel=1e-9)
     for i, op in enumerate(sched.ops):
         if isinstance(op, Compute) and op.names == ["grad_hooks"]:
             nxt = sched.ops[i + 1]
             assert isinstance(nxt, GradReady)
-            extra = 500e-6 if nxt.flush else 0.0
-            assert float(op.durs[0, 1]) == pytest.approx(
-                (nxt.nonexpert + nxt.expert) * 10e-9 + extra, rel=1e-9
-            )
+            assert float(op.durs[0, 1]) == pytest.approx((nxt.nonexpert + nxt.expert) * 10e-9, rel=1e-9)
+    epi = [i for i, op in enumerate(sched.ops) if isinstance(op, Compute) and op.names == ["zero_epilogue"]]
+    flush = [i for i, op in enumerate(sched.ops) if isinstance(op, GradReady) and op.flush]
+    assert epi == [i + 1 for i in flush] and len(epi) == s.training.grad_accum_steps
+    assert float(sched.ops[epi[0]].durs[0, 0]) == pytest.approx(500e-6, rel=1e-9)
     for stage in (0, 3):
         assert _hook_ops(tmp_path, f"z{stage}", stage, zero_grad_hook_ns_per_param=10.0)[2] == []
     assert _hook_ops(tmp_path, "none", 2)[2] == []

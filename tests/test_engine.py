@@ -14,9 +14,11 @@ from sim.cluster import cluster_for
 from sim.collectives import all_to_all_dag
 from sim.collectives_analytic import ps_flow_times_s
 from sim.comm import Comm, reduction_model
+from sim.costs import ceil_div
 from sim.engine import STREAM_KEYS
 from sim.ioutil import dumps_json
 from sim.memory import memory_per_gpu
+from sim.modelspec import count_params, layer_params, layer_tensors, outer_tensors
 from sim.routing import route_scenario
 from sim.scenario import load_scenario
 from sim.schedule import AllToAll, Compute, build_schedule
@@ -45,12 +47,24 @@ def test_two_rank_timeline_is_the_schedule_exactly():
     bwd = ["output", "unpermute", "combine", "experts", "dispatch", "permute", "route", "attention", "embedding"]
     no_wait = [n for n in names if n not in ("imbalance_wait", "grad_sync_wait")]
     assert no_wait[: len(fwd) + len(bwd)] == fwd + bwd
-    # ZeRO-2: the gradient norm all-reduced (fp32, dp = 2) before the update, the non-expert
-    # partitions all-gathered over dp = 2 after it (edp = 1: neither for the experts)
-    assert no_wait[len(fwd) + len(bwd) :] == ["grad_norm_wait", "optimizer", "param_gather"]
-    norm = next(sp for sp in spans if sp.name == "grad_norm_wait")
+    # ZeRO-2 as DeepSpeed steps: per parameter group (non-expert, experts) the partition's norm,
+    # then its fp32 all-reduce over dp = 2, then the update; the non-expert partitions all-gathered
+    # over dp = 2 after it (edp = 1: no expert-data-parallel norm or gather)
+    tail = ["optimizer", "grad_norm_wait", "optimizer", "grad_norm_wait", "optimizer", "param_gather"]
+    assert no_wait[len(fwd) + len(bwd) :] == tail
+    norms = [sp for sp in spans if sp.name == "grad_norm_wait"]
     per_byte, latency, _ = reduction_model(cluster_for(s), "all_reduce", [0, 1], "ring")
-    assert norm.end - norm.start == pytest.approx(latency + 4 * per_byte, rel=1e-9)
+    assert [n.end - n.start for n in norms] == pytest.approx([latency + 4 * per_byte] * 2, rel=1e-9)
+    # the partial norms: per gradient tensor of the rank's partition 3 eager ops (+3 per group)
+    # and 20 bytes per parameter (fp32 read, fp64 written and read); closed form from the counts
+    m, cost = s.model, cost_model(s)
+    ne_t, ex_t = layer_tensors(m, 0)
+    lp = layer_params(m, 0)
+    ne_params = count_params(m).total - lp.expert
+    parts = [(ceil_div(outer_tensors(m) + ne_t, 2), ceil_div(ne_params, 2)), (ex_t * s.experts_per_rank, lp.expert // 2)]
+    got_norm = [sp.end - sp.start for sp in spans if sp.name == "optimizer"][:2]
+    want = [(3 * t + 3) * cost.dispatcher_op_s + p * 20 / cost.hbm_Bps for t, p in parts]
+    assert got_norm == pytest.approx(want, rel=1e-12)
     # spans tile the rank's time: contiguous, starting at 0, ending at the step time
     for a, b in zip(spans, spans[1:], strict=False):
         assert b.start == pytest.approx(a.end, abs=1e-15)
@@ -157,8 +171,10 @@ def test_zero2_all_reduces_buckets_and_zero3_reduce_scatters_and_gathers():
 
     z2, z3 = comm(2), comm(3)
     assert sorted((sp.name, sp.args["kind"]) for sp in z2) == [
-        ("grad_norm", "all_reduce"), ("grad_sync", "all_reduce"), ("param_gather", "all_gather")]
-    assert [sp.args["bytes"] for sp in z2 if sp.name == "grad_norm"] == [4.0]  # the fp32 norm, dp group
+        ("grad_norm", "all_reduce"), ("grad_norm", "all_reduce"), ("grad_sync", "all_reduce"),
+        ("param_gather", "all_gather")]  # fmt: skip
+    # the fp32 norm of each parameter group (non-expert, experts) over the dp group
+    assert [sp.args["bytes"] for sp in z2 if sp.name == "grad_norm"] == [4.0, 4.0]
     (ar,) = [sp for sp in z2 if sp.name == "grad_sync"]
     (rs,) = [sp for sp in z3 if sp.args["kind"] == "reduce_scatter"]
     assert ar.args["bytes"] == rs.args["bytes"]

@@ -110,3 +110,26 @@ def test_dense_checkpoint_round_trip_and_errors(tmp_path):
     with pytest.raises(InputError) as e:
         upcycle_(moe, blob["state_dict"])
     assert "shape" in e.value.message
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["model.first_dense_layers=1", "model.num_layers=3", "model.norm_type=rmsnorm"],
+     ["model.attention_bias=true", "model.ffn_type=gated", "model.num_shared_experts=1", "model.shared_expert_gate=true"],
+     ["model.linear_bias=true", "model.tie_word_embeddings=true"]],
+)  # fmt: skip
+def test_tensor_counts_match_the_real_model(overrides):
+    """sim.modelspec.layer_tensors / outer_tensors against the parameter tensors of the real
+    DeepSpeed model (EP 1: every expert local), split as DeepSpeed splits its MoE param groups."""
+    from deepspeed.moe.utils import is_moe_param
+
+    from sim.modelspec import layer_tensors, outer_tensors
+
+    s = load_scenario(CPU2, ["parallelism.ep=1", *overrides])
+    m = build_model(s, gate_settings(s), ep_size=1)
+    expert = sum(1 for p in m.parameters() if is_moe_param(p))
+    non_expert = sum(1 for p in m.parameters() if not is_moe_param(p))
+    mc = s.model
+    counts = [layer_tensors(mc, i) for i in range(mc.num_layers)]
+    assert non_expert == outer_tensors(mc) + sum(c[0] for c in counts)
+    assert expert == sum(c[1] * (mc.num_experts if mc.is_moe_layer(i) else 0) for i, c in enumerate(counts))
