@@ -25,7 +25,9 @@ measurements when the simulator uses them:
   stalls (``pause_rate_per_s``, ``pause_mean_s``: each segment between calls against its median
   over the steps), the spread of the segments without them (``compute_noise_cv``), and the in-job
   compute factor (``compute_scale``: the job's forward and backward compute against the simulator's
-  with the other figures, solved by simulating the job as it ran).
+  with the other figures, solved by simulating the job as it ran), then the in-job cost of each
+  blocking call beyond its isolated time (``call_overhead_us``: the job's time in blocking calls
+  against the simulator's, solved the same way with the compute scale in place).
 
 Every item is timed in repetitions; the fits read the median (``stat="p25"``: the lower
 quartile). Raw measurements (the nccl-tests-style table with algbw/busbw among them, each row's
@@ -446,13 +448,17 @@ def calibrate(
         run = fit_all(raw, topology, spec, stat=stat)
         desync_fit = run.calibration.sweeps.get("desync")
         if desync_fit:
-            from hw_validate.desync import fit_compute_scale
+            from hw_validate.desync import fit_call_overhead, fit_compute_scale
 
             scale = fit_compute_scale(run.calibration, desync_fit)
-            desync_fit.pop("job", None)  # temporary paths: not part of the record
             desync_fit["compute"] = scale
             if scale is not None:
                 run.calibration.compute_scale = scale["compute_scale"]
+            overhead = fit_call_overhead(run.calibration, desync_fit)
+            desync_fit.pop("job", None)  # temporary paths: not part of the record
+            desync_fit["call_overhead"] = overhead
+            if overhead is not None:
+                run.calibration.call_overhead_us = overhead["call_overhead_us"]
     run.calibration.sweeps["fit_wall_s"] = time.monotonic() - t1
     run.calibration.sweeps["job_wall_s"] = t1 - t0
     if scenarios:

@@ -585,6 +585,13 @@ def format_report(cal: Calibration) -> str:
                          f"{cs['measured_compute_s'] * 1e3:.2f} ms, modelled {cs['predicted_compute_s'] * 1e3:.2f} ms "
                          f"at scale 1 (of which ZeRO hooks {cs['predicted_hooks_s'] * 1e3:.2f} ms, not scaled): "
                          f"compute scale {cs['compute_scale']:.3f}{used}")  # fmt: skip
+        co = desync.get("call_overhead")
+        if co:
+            used = " -- used" if cal.call_overhead_us is not None else ""
+            lines.append(f"in-job blocking calls of the reference job: measured {co['measured_blocking_s'] * 1e3:.2f} ms a "
+                         f"step, modelled {co['predicted_blocking_s'] * 1e3:.2f} ms from the isolated calls (+"
+                         f"{co['predicted_per_ms_s'] * 1e3:.2f} ms per ms of overhead a call): call overhead "
+                         f"{co['call_overhead_us']:.0f} us{used}")  # fmt: skip
     elif cal.compute_noise_cv is not None:
         each = ", ".join(f"{r['segment_s'] * 1e3:g} ms {r['cv']:.3f}" for r in noise if "cv" in r)
         lines.append(f"compute noise: cv {cal.compute_noise_cv:.3f} of a rank's segment time" + (f" ({each})" if each else ""))

@@ -98,7 +98,12 @@ def predicted_phases(spans: list, world: int) -> dict[str, float]:
             last_comm[r] = "route"
             continue
         if sp.name == WAKE_KERNEL:  # a rank resuming late: the job's timer of the call it left holds it
-            p["optimizer_comm" if opt_start[r] is not None else last_comm[r]] += dur
+            if opt_start[r] is not None:
+                p["optimizer_comm"] += dur
+            elif sp.args.get("layer") == -1:  # outside the layers: after the flushing gradient all-reduce
+                p["grad_sync"] += dur
+            else:
+                p[last_comm[r]] += dur
             continue
         if sp.name == "imbalance_wait":  # belongs to the all-to-all that follows it
             pending_wait[r] += dur

@@ -33,6 +33,7 @@ replaces the topology's defaults where present::
       "compute_scale": 1.3,           # in-job factor on every forward/backward kernel (fitted on a real reference job)
       "pause_rate_per_s": 20.0,       # CPU ranks: rank-local stalls (preemption, GC) per second of compute ...
       "pause_mean_s": 0.0045,         # ... each of exponential length with this mean (seconds)
+      "call_overhead_us": 900.0,      # CPU ranks: in-job cost of each blocking call beyond its isolated time
       "sweeps": {...}                 # raw measurements (kept for the record; not read by the simulator)
     }
 
@@ -159,6 +160,13 @@ class Calibration(StrictModel):
     #: from a real reference job's segments between calls (hw_validate.desync.fit_pauses)
     pause_rate_per_s: float | None = Field(default=None, ge=0, le=1e6)
     pause_mean_s: float | None = Field(default=None, gt=0, le=10)
+    #: CPU ranks: what a blocking collective costs inside a job beyond the same call timed alone
+    #: (the wake-ups of gloo's helper threads, several per process group, on cores busy with the
+    #: ranks' compute): every rank resumes this long after each blocking call (all-to-all, capacity
+    #: all-reduce, the flushing gradient all-reduce, the step's norm all-reduces and parameter
+    #: gathers; sim.schedule.apply_wake_delay). Fitted on the real reference job's time in blocking
+    #: calls (hw_validate.desync.fit_call_overhead) when calibrate ran one; absent: 0
+    call_overhead_us: float | None = Field(default=None, ge=0, le=1e6)
     sweeps: dict[str, Any] = {}
 
 

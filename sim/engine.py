@@ -326,6 +326,7 @@ class Engine:
                     yield ev
                     key["exposed_comm"][rank] += env.now - t0
                     self._span(rank, "grad_norm_wait", t0, env.now)
+                    yield from self._overhead(rank)
 
     # ---- compute stream -----------------------------------------------------------------------
     def _span(self, rank: int, name: str, start: float, end: float, **args) -> None:
@@ -435,7 +436,15 @@ class Engine:
             yield ev
             key["exposed_comm"][rank] += env.now - t0
             self._span(rank, "param_gather", t0, env.now)
+            if self.dp > 1 or self.edp > 1:
+                yield from self._overhead(rank)
             yield from self._wake(rank, tail.wake_gather_s)
+
+    def _overhead(self, rank: int):
+        """The in-job cost of a blocking call of the tail (sim.schedule.apply_wake_delay)."""
+        oh = self.sched.tail.call_overhead_s
+        if oh > 0:
+            yield from self._wake(rank, np.full(self.world, oh))
 
     def _wake(self, rank: int, late: np.ndarray | None):
         """A late wake-up after a blocking call of the tail (sim.schedule.apply_wake_delay)."""

@@ -184,6 +184,9 @@ class Tail:
     #: norm's all-reduce (before the optimizer) and after the post-step parameter all-gather
     wake_norm_s: np.ndarray | None = None
     wake_gather_s: np.ndarray | None = None
+    #: CPU ranks: seconds every rank resumes late after each of the tail's blocking calls
+    #: (calibration ``call_overhead_us``)
+    call_overhead_s: float = 0.0
 
 
 @dataclass
@@ -430,7 +433,8 @@ NOISE_SEED, WAKE_SEED, PAUSE_SEED, DRAW_STRIDE = 7919, 104729, 15485863, 1_000_0
 WAKE_KERNEL = "wake_wait"
 
 
-def apply_wake_delay(ops: list, tail: Tail, p: float, cap_s: float, seed: int, groups: list[list[int]]) -> None:
+def apply_wake_delay(ops: list, tail: Tail, p: float, cap_s: float, seed: int, groups: list[list[int]],
+                     overhead_s: float = 0.0) -> None:  # fmt: skip
     """Late wake-ups of CPU ranks after blocking collectives (calibration ``wake_delay_p``,
     ``wake_delay_cap_s``; measured in a real reference job's per-call spans by
     :mod:`hw_validate.desync`, or by the :func:`hw_validate.microbench.bench_wake` loop).
@@ -446,9 +450,14 @@ def apply_wake_delay(ops: list, tail: Tail, p: float, cap_s: float, seed: int, g
     the parameter all-gather after it) draw the same way over the whole world (the step ends with
     the gather; its late rank pays ``cap_s`` at most, a full next step's first segment being longer).
     Draws come from one stream seeded by ``seed``, in op order: the same scenario gives the same
-    schedule."""
-    if p <= 0 or cap_s <= 0:
+    schedule. ``overhead_s`` (calibration ``call_overhead_us``): every rank also resumes that much
+    later after each blocking call, the flushing gradient all-reduce's included (no draw), and
+    after each of the tail's calls (``tail.call_overhead_s``)."""
+    tail.call_overhead_s = max(0.0, float(overhead_s))
+    if (p <= 0 or cap_s <= 0) and tail.call_overhead_s <= 0:
         return
+    if p <= 0 or cap_s <= 0:
+        p = 0.0
     rng = np.random.default_rng(np.random.SeedSequence([int(seed), 0x57A4E]))
     world = len(tail.optimizer_s)
 
@@ -457,16 +466,22 @@ def apply_wake_delay(ops: list, tail: Tail, p: float, cap_s: float, seed: int, g
         if len(group) > 1 and rng.random() < p:
             out[group[int(rng.integers(len(group)))]] = min(seg_s, cap_s)
 
-    pending = False
+    pending = drawn = False
     for op in ops:
         if isinstance(op, AllToAll | CapacitySync):
+            pending = drawn = True
+        elif isinstance(op, GradReady) and op.blocking and op.flush:
             pending = True
         elif isinstance(op, Compute) and pending:
             pending = False
             seg = op.total
-            delay = np.zeros(world)
-            for g in groups:
-                draw(g, float(seg[g].max()), delay)
+            delay = np.full(world, tail.call_overhead_s)
+            if drawn:
+                late = np.zeros(world)
+                for g in groups:
+                    draw(g, float(seg[g].max()), late)
+                delay += late
+            drawn = False
             if delay.any():
                 op.names = [WAKE_KERNEL, *op.names]
                 op.durs = np.vstack([delay[None, :], op.durs])
@@ -582,8 +597,10 @@ def build_schedule(
         norm_reduce=stage >= 1,
         norm_s=list(tail_s[1:]),
     )
-    if cal is not None and cal.wake_delay_p and cal.wake_delay_cap_s and s.world_size > 1:
-        apply_wake_delay(b.ops, tail, cal.wake_delay_p, cal.wake_delay_cap_s, base_seed + WAKE_SEED, s.ep_groups())
+    overhead = (cal.call_overhead_us or 0.0) * 1e-6 if cal is not None else 0.0
+    if cal is not None and ((cal.wake_delay_p and cal.wake_delay_cap_s) or overhead) and s.world_size > 1:
+        apply_wake_delay(b.ops, tail, cal.wake_delay_p or 0.0, cal.wake_delay_cap_s or 0.0, base_seed + WAKE_SEED,
+                         s.ep_groups(), overhead)  # fmt: skip
     from sim.flops import model_flops_per_token
 
     tokens = s.global_batch_size * t.seq_len
