@@ -262,7 +262,7 @@ def _quiet_calibration(**update):
 
     cal = load_calibration(ROOT / "benchmarks" / "accuracy" / "cpu-2rank-gloo.calibration.json")
     return cal.model_copy(update={"compute_noise_cv": 0.0, "wake_delay_p": 0.0, "compute_scale": None,
-                            "pause_rate_per_s": None, **update})
+                            "pause_rate_per_s": None, "call_overhead_us": None, **update})
 
 
 def _predict(tmp_path: Path, cal, trace: Path, name: str):
@@ -402,3 +402,58 @@ def test_validate_predicts_the_median_over_noise_draws(tmp_path):
     assert res0["step_time_s"] == steps[0] == simulate(s)["step_time_s"]
     save_calibration(tmp_path / "quiet.json", _quiet_calibration())
     assert noise_draws(simulation_scenario(REFERENCE, [], tmp_path / "quiet.json", trace)) == 1
+
+
+def test_call_overhead_follows_every_blocking_call(tmp_path):
+    """call_overhead_us 700 on quiet ranks: every rank resumes 0.7 ms late after each blocking call
+    -- each all-to-all, the flushing gradient all-reduce, the tail's norm all-reduces (2 groups
+    over dp 2; edp 1) and its parameter gather -- so the step grows by exactly 0.7 ms x that count,
+    and validate charges each to the call it follows."""
+    from sim.schedule import AllToAll
+
+    trace = _reference_trace(tmp_path)
+    base, _, r0 = _predict(tmp_path, _quiet_calibration(), trace, "o0")
+    over, _, r1 = _predict(tmp_path, _quiet_calibration(call_overhead_us=700.0), trace, "o7")
+    s = load_scenario(REFERENCE)
+    a2a = 4 * s.model.num_moe_layers  # dispatch, combine, and their gradients
+    tail = 2 + 1  # two norm all-reduces, one gather
+    calls = a2a + 1 + tail
+    assert r1["step_time_s"] - r0["step_time_s"] == pytest.approx(700e-6 * calls, rel=1e-9)
+    assert over["grad_sync"] - base["grad_sync"] == pytest.approx(700e-6, rel=1e-9)
+    assert over["optimizer_comm"] - base["optimizer_comm"] == pytest.approx(700e-6 * tail, rel=1e-9)
+    moved = sum(over[p] - base[p] for p in ("dispatch", "combine", "dispatch_bwd", "combine_bwd"))
+    assert moved == pytest.approx(700e-6 * a2a, rel=1e-9)
+    for ph in ("attention", "experts", "attention_bwd", "experts_bwd"):
+        assert over[ph] == pytest.approx(base[ph], rel=1e-12), ph
+    assert sum(isinstance(op, AllToAll) for op in build_schedule_of(s)) == a2a
+
+
+def build_schedule_of(s):
+    from sim.routing import route_scenario
+    from sim.schedule import build_schedule
+    from sim.simulate import cost_model
+
+    return build_schedule(s, route_scenario(s), cost_model(s), np.ones(s.world_size)).ops
+
+
+def test_fit_call_overhead_recovers_a_planted_overhead(tmp_path):
+    """A 'job' whose phases are the simulator's own with 0.9 ms a call: the fit gives back 900 us
+    (the step's blocking time is linear in the overhead), a job faster than the isolated calls
+    gives 0, and the calibration report names the figure."""
+    from hw_validate.calibrate_fit import format_report
+    from hw_validate.desync import BLOCKING, blocking_time, fit_call_overhead
+
+    trace = _reference_trace(tmp_path)
+    planted, _, _ = _predict(tmp_path, _quiet_calibration(call_overhead_us=900.0), trace, "o9")
+    prof = {"scenario": str(REFERENCE), "overrides": [], "measured": {"phases_s": planted, "dtype": "fp32"},
+            "job": {"trace": str(trace)}}  # fmt: skip
+    fit = fit_call_overhead(_quiet_calibration(), prof)
+    assert fit["call_overhead_us"] == pytest.approx(900.0, rel=1e-6)
+    assert fit["measured_blocking_s"] == pytest.approx(blocking_time(planted))
+    fast = {k: v * (0.1 if k in BLOCKING else 1.0) for k, v in planted.items()}
+    assert fit_call_overhead(_quiet_calibration(), {**prof, "measured": {"phases_s": fast}})["call_overhead_us"] == 0.0
+    assert fit_call_overhead(_quiet_calibration(), {**prof, "job": {}}) is None
+    cal = _quiet_calibration(call_overhead_us=fit["call_overhead_us"])
+    cal.sweeps["desync"] = {"scenario": str(REFERENCE), "ranks": 2, "calls": 0, "wake": [], "noise": {},
+                            "fit": {"compute_noise_cv": 0.0, "wake_delay_p": None}, "call_overhead": fit}  # fmt: skip
+    assert "call overhead 900 us -- used" in format_report(cal)
