@@ -279,6 +279,16 @@ def _predict(tmp_path: Path, cal, trace: Path, name: str):
     return predicted_phases(spans, 2), hooks, res
 
 
+def _planted_profile(tmp_path: Path, **cal) -> tuple[dict, float, dict]:
+    """``(phases, hooks, profile)``: a reference-job profile whose measured phases are the
+    simulator's own with the quiet calibration updated by ``cal``."""
+    trace = _reference_trace(tmp_path)
+    planted, hooks, _ = _predict(tmp_path, _quiet_calibration(**cal), trace, "planted")
+    prof = {"scenario": str(REFERENCE), "overrides": [], "measured": {"phases_s": planted, "dtype": "fp32"},
+            "job": {"trace": str(trace)}}  # fmt: skip
+    return planted, hooks, prof
+
+
 def test_compute_scale_multiplies_the_compute_blocks_only(tmp_path):
     """compute_scale 1.4: every forward/backward compute phase takes exactly 1.4x as long; ZeRO's
     gradient hooks and the optimizer's own step do not move."""
@@ -300,10 +310,7 @@ def test_fit_compute_scale_recovers_a_planted_factor(tmp_path):
     from hw_validate.calibrate_fit import format_report
     from hw_validate.desync import compute_time, fit_compute_scale
 
-    trace = _reference_trace(tmp_path)
-    planted, hooks, _ = _predict(tmp_path, _quiet_calibration(compute_scale=1.3), trace, "c13")
-    prof = {"scenario": str(REFERENCE), "overrides": [], "measured": {"phases_s": planted, "dtype": "fp32"},
-            "job": {"trace": str(trace)}}  # fmt: skip
+    planted, hooks, prof = _planted_profile(tmp_path, compute_scale=1.3)
     fit = fit_compute_scale(_quiet_calibration(), prof)
     assert fit["compute_scale"] == pytest.approx(1.3, rel=1e-6)
     assert fit["measured_compute_s"] == pytest.approx(compute_time(planted)) and fit["predicted_hooks_s"] == pytest.approx(hooks)
@@ -443,10 +450,7 @@ def test_fit_call_overhead_recovers_a_planted_overhead(tmp_path):
     from hw_validate.calibrate_fit import format_report
     from hw_validate.desync import BLOCKING, blocking_time, fit_call_overhead
 
-    trace = _reference_trace(tmp_path)
-    planted, _, _ = _predict(tmp_path, _quiet_calibration(call_overhead_us=900.0), trace, "o9")
-    prof = {"scenario": str(REFERENCE), "overrides": [], "measured": {"phases_s": planted, "dtype": "fp32"},
-            "job": {"trace": str(trace)}}  # fmt: skip
+    planted, _, prof = _planted_profile(tmp_path, call_overhead_us=900.0)
     fit = fit_call_overhead(_quiet_calibration(), prof)
     assert fit["call_overhead_us"] == pytest.approx(900.0, rel=1e-6)
     assert fit["measured_blocking_s"] == pytest.approx(blocking_time(planted))
