@@ -281,12 +281,11 @@ def fit_compute_scale(calibration, profile: dict) -> dict | None:
     if runs is None:
         return None
     preds = [compute_time(phases) for phases, _ in runs]
-    spans, world = runs[0][1], int(profile.get("ranks") or 1)
-    per = [0.0] * max(world, 1 + max((sp.rank for sp in spans), default=0))
-    for sp in spans:
+    per: dict[int, float] = {}
+    for sp in runs[0][1]:
         if sp.name == "grad_hooks" and sp.stream == "compute":
-            per[sp.rank] += sp.end - sp.start
-    hooks = max(per)
+            per[sp.rank] = per.get(sp.rank, 0.0) + sp.end - sp.start
+    hooks = max(per.values(), default=0.0)
     m_c, (p1, p2) = compute_time(measured["phases_s"]), preds
     if not p2 - p1 > 0:
         return None

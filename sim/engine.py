@@ -317,16 +317,17 @@ class Engine:
                 yield env.timeout(float(part[rank]))
                 key["optimizer"][rank] += env.now - t0
                 self._span(rank, "optimizer", t0, env.now, part="grad_norm")
-            evs = [self._over_dp_edp(rank, "all_reduce", ("grad_norm", g), 4.0, 0.0, "grad_norm")]
+            calls = [(("grad_norm", g), 4.0, 0.0)]
             if g == len(tail.norm_s) - 1 and g > 0:  # the expert group: DeepSpeed's _average_expert_grad_norms
-                evs.append(self._over_dp_edp(rank, "all_reduce", ("grad_norm", "ex"), 0.0, 4.0, "grad_norm"))
-            for ev in evs:
+                calls.append((("grad_norm", "ex"), 0.0, 4.0))
+            for call_key, ne_bytes, ex_bytes in calls:  # one after the other, as DeepSpeed calls them
+                ev = self._over_dp_edp(rank, "all_reduce", call_key, ne_bytes, ex_bytes, "grad_norm")
                 if ev is not None:
                     t0 = env.now
                     yield ev
                     key["exposed_comm"][rank] += env.now - t0
                     self._span(rank, "grad_norm_wait", t0, env.now)
-                    yield from self._overhead(rank)
+                    yield from self._late(rank, tail.call_overhead_s)
 
     # ---- compute stream -----------------------------------------------------------------------
     def _span(self, rank: int, name: str, start: float, end: float, **args) -> None:
@@ -437,20 +438,20 @@ class Engine:
             key["exposed_comm"][rank] += env.now - t0
             self._span(rank, "param_gather", t0, env.now)
             if self.dp > 1 or self.edp > 1:
-                yield from self._overhead(rank)
+                yield from self._late(rank, tail.call_overhead_s)
             yield from self._wake(rank, tail.wake_gather_s)
-
-    def _overhead(self, rank: int):
-        """The in-job cost of a blocking call of the tail (sim.schedule.apply_wake_delay)."""
-        oh = self.sched.tail.call_overhead_s
-        if oh > 0:
-            yield from self._wake(rank, np.full(self.world, oh))
 
     def _wake(self, rank: int, late: np.ndarray | None):
         """A late wake-up after a blocking call of the tail (sim.schedule.apply_wake_delay)."""
-        if late is not None and late[rank] > 0:
+        if late is not None:
+            yield from self._late(rank, float(late[rank]))
+
+    def _late(self, rank: int, seconds: float):
+        """``rank`` resumes ``seconds`` late after a blocking call of the tail (a late wake-up, or the
+        in-job call overhead): waiting, booked as exposed comm."""
+        if seconds > 0:
             t0 = self.env.now
-            yield self.env.timeout(float(late[rank]))
+            yield self.env.timeout(seconds)
             self.key["exposed_comm"][rank] += self.env.now - t0
             self._span(rank, WAKE_KERNEL, t0, self.env.now)
 
