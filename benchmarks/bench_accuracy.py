@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from hw_validate.calibrate import calibrate, format_report
     from hw_validate.validate import format_table, validate
-    from sim.calibration import load_calibration
+    from sim.inputs.calibration import load_calibration
 
     scens = [p for p in SCENARIOS if not args.only or p.stem in args.only]
     commands = []

@@ -20,12 +20,12 @@ import simpy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sim.cluster import build_cluster  # noqa: E402
-from sim.collectives import all_to_all, all_to_all_dag, uniform_pairs  # noqa: E402
-from sim.collectives_dag import run_dag  # noqa: E402
+from sim.hardware.cluster import build_cluster  # noqa: E402
+from sim.inputs.topology import load_topology  # noqa: E402
 from sim.ioutil import atomic_write_text, write_json  # noqa: E402
-from sim.network import Network  # noqa: E402
-from sim.topology import load_topology  # noqa: E402
+from sim.network.collectives import all_to_all, all_to_all_dag, uniform_pairs  # noqa: E402
+from sim.network.dag import run_dag  # noqa: E402
+from sim.network.flows import Network  # noqa: E402
 
 MACHINE = "2-core x86_64 CI VM, Python 3.11"
 

@@ -19,8 +19,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sim.compare import format_table, plot_compare, run_compare  # noqa: E402
 from sim.ioutil import atomic_write_text, dumps_json  # noqa: E402
+from sim.studies.compare import format_table, plot_compare, run_compare  # noqa: E402
 
 MACHINE = "2-core x86_64 CI VM, Python 3.11"
 NL = ["node_limited:M=1", "node_limited:M=2"]

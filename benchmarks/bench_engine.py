@@ -20,12 +20,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sim.engine import Engine  # noqa: E402
+from sim.api import load_scenario  # noqa: E402
+from sim.engine.des import Engine  # noqa: E402
+from sim.engine.simulate import _cluster, compute_factors, cost_model, resolve_comm_model, simulate  # noqa: E402
+from sim.engine.step import build_step  # noqa: E402
 from sim.ioutil import atomic_write_text, dumps_json  # noqa: E402
-from sim.routing import route_scenario  # noqa: E402
-from sim.scenario import load_scenario  # noqa: E402
-from sim.schedule import build_schedule  # noqa: E402
-from sim.simulate import _cluster, compute_factors, cost_model, resolve_comm_model, simulate  # noqa: E402
+from sim.routing.plan import route_scenario  # noqa: E402
 
 SCEN = ROOT / "scenarios" / "128gpu.yaml"
 MACHINE = "2-core x86_64 CI VM, Python 3.11"
@@ -37,7 +37,7 @@ def speed_row(nodes: int) -> dict:
     t0 = time.perf_counter()
     plan = route_scenario(s)
     t1 = time.perf_counter()
-    sched = build_schedule(s, plan, cost_model(s), compute_factors(s))
+    sched = build_step(s, plan, cost_model(s), compute_factors(s))
     t2 = time.perf_counter()
     model = resolve_comm_model(s, "auto")
     res = Engine(s, sched, plan, _cluster(s), model).run()

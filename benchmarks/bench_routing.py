@@ -20,9 +20,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from sim.api import load_scenario, scenario_from_dict  # noqa: E402
 from sim.ioutil import atomic_write_text, dumps_json  # noqa: E402
-from sim.routing import route_scenario  # noqa: E402
-from sim.scenario import load_scenario, scenario_from_dict  # noqa: E402
+from sim.routing.plan import route_scenario  # noqa: E402
 
 MACHINE = "2-core x86_64 CI VM, Python 3.11"
 TARGET_S = 1.0

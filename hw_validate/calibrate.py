@@ -1,5 +1,5 @@
 """``moesim calibrate``: run the microbenchmarks as a real multi-rank job, fit the simulator's
-models to them and write a calibration JSON (:mod:`sim.calibration`, ``moesim.calibration`` v1).
+models to them and write a calibration JSON (:mod:`sim.inputs.calibration`, ``moesim.calibration`` v1).
 
 What is fitted, each through the simulator's own formula so that the fitted numbers reproduce the
 measurements when the simulator uses them:
@@ -9,7 +9,7 @@ measurements when the simulator uses them:
   the benchmarked ranks give the measured times. The simulated time is linear in the link latency
   and in 1/bandwidth, so the fit is a non-negative linear least squares on relative error; the
   reported errors come from re-simulating every size with the fitted pair.
-- ``gemm.<dtype>``: ``peak_TFLOPs``, ``m_half``, ``nk_half`` of :class:`sim.costs.CostModel`'s
+- ``gemm.<dtype>``: ``peak_TFLOPs``, ``m_half``, ``nk_half`` of :class:`sim.hardware.costs.CostModel`'s
   roofline ``max(2mnk / (peak h(m) h(n) h(k)), bytes / hbm) + launch`` (``h(x) = x / (x + c)``),
   least squares on log time (scipy), over the GEMM shapes the scenarios' layers produce (forward,
   input- and weight-gradient shapes, recorded from the simulator's schedule) plus a small grid.
@@ -59,8 +59,8 @@ from hw_validate.calibrate_fit import STATS, CalibrationRun, bench_cluster, fit_
 from hw_validate.diagnose import cause_of
 from hw_validate.jit_ops import accelerator_of, cpu_rank_env, needed_ops
 from hw_validate.launch import JobError, free_port, launcher_head, prepare_ops, remove_shm_buffers, stop_group
-from sim.calibration import save_calibration
 from sim.errors import InputError
+from sim.inputs.calibration import save_calibration
 
 HERE = Path(__file__).resolve().parent
 MICROBENCH = HERE / "microbench.py"
@@ -76,10 +76,10 @@ def scenario_shapes(paths: list[str | Path], accelerator: str = "cpu") -> dict[s
     optimizer partition sizes and dtypes of the scenarios, read off the simulator's own schedule
     (a cost model that records what it is asked to price)."""
     from hw_validate.dsconfig import effective_dtype
-    from sim.costs import CostModel
-    from sim.routing import route_scenario
-    from sim.scenario import load_scenario
-    from sim.schedule import build_schedule
+    from sim.api import load_scenario
+    from sim.frameworks.deepspeed import build_schedule
+    from sim.hardware.costs import CostModel
+    from sim.routing.plan import route_scenario
 
     gemms: set[tuple[int, int, int]] = set()
     attention: set[tuple[int, int, int, int]] = set()
@@ -418,7 +418,7 @@ def calibrate(
     shapes = scenario_shapes(list(scenarios), accelerator) if scenarios else None
     if topology is None:
         if scenarios:
-            from sim.scenario import load_scenario
+            from sim.api import load_scenario
 
             topology = load_scenario(scenarios[0]).topology
         else:

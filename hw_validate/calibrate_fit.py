@@ -1,5 +1,5 @@
 """The fits of ``moesim calibrate`` (:mod:`hw_validate.calibrate`): microbenchmark results ->
-:class:`sim.calibration.Calibration`, each through the simulator's own formula; and the human
+:class:`sim.inputs.calibration.Calibration`, each through the simulator's own formula; and the human
 report of a calibration (:func:`format_report`)."""
 
 from __future__ import annotations
@@ -10,15 +10,16 @@ from typing import Any
 
 import numpy as np
 
-from sim.calibration import Calibration, GemmFit, LinkFit, apply_link_calibration
+from sim.hardware.calibrated import apply_link_calibration
+from sim.inputs.calibration import Calibration, GemmFit, LinkFit
 
 
 # ---- links -----------------------------------------------------------------------------------------
 def bench_cluster(topology, nproc: int):
     """The one-node cluster of the benchmarked ranks on ``topology`` (a Topology, or a shipped name
     or YAML path); only its structure matters, the fitted class replaces its link figures."""
-    from sim.cluster import build_cluster
-    from sim.topology import Topology, load_topology
+    from sim.hardware.cluster import build_cluster
+    from sim.inputs.topology import Topology, load_topology
 
     topo = topology if isinstance(topology, Topology) else load_topology(str(topology))
     return build_cluster(topo, 1, nproc)
@@ -26,7 +27,7 @@ def bench_cluster(topology, nproc: int):
 
 def simulate_sweep(cluster, rows: list[dict]) -> np.ndarray:
     """The simulator's time of every measured collective (``kind``, ``bytes``) on ``cluster``."""
-    from sim.cli.collective import measure
+    from sim.network.nccl_tests import measure
 
     out = np.zeros(len(rows))
     for kind in sorted({r["kind"] for r in rows}):
@@ -91,7 +92,7 @@ def fit_bytes_factor(cluster, rows: list[dict]) -> float:
 
 
 def gemm_model_times(params: tuple[float, float, float], shapes: np.ndarray, bpe: int, hbm_Bps: float, launch_s: float) -> np.ndarray:
-    """:meth:`sim.costs.CostModel.gemm_time` for every (m, n, k) row of ``shapes``."""
+    """:meth:`sim.hardware.costs.CostModel.gemm_time` for every (m, n, k) row of ``shapes``."""
     peak, m_half, nk_half = params
     m, n, k = shapes[:, 0], shapes[:, 1], shapes[:, 2]
     rate = peak * (m / (m + m_half)) * (n / (n + nk_half)) * (k / (k + nk_half))
@@ -144,15 +145,15 @@ def fit_memory(rows: list[dict], launch_s: float) -> float:
 
 
 def attention_flops(batch: int, heads: int, seq: int, head_dim: int) -> tuple[float, float]:
-    """(core FLOPs, bytes) of one causal attention forward, as :mod:`sim.schedule` counts them (fp32 bytes x bpe/4)."""
+    """(core FLOPs, bytes) of one causal attention forward, as :mod:`sim.frameworks.deepspeed` counts them (fp32 bytes x bpe/4)."""
     pairs = seq * (seq + 1) // 2
     return 2.0 * heads * 2 * head_dim * pairs * batch, 4.0 * batch * seq * heads * head_dim
 
 
 def fit_attention(rows: list[dict], peak_Bps: dict[str, float], hbm_Bps: float, launch_s: float) -> float | None:
     """Attention-core efficiency relative to the fitted GEMM peak (forward and 2.5x backward points)."""
-    from sim.costs import BYTES_PER_ELEMENT
-    from sim.schedule import ATTENTION_BWD_FACTOR
+    from sim.frameworks.kernels import ATTENTION_BWD_FACTOR
+    from sim.model.dtypes import BYTES_PER_ELEMENT
 
     effs = []
     for r in rows:
@@ -212,13 +213,13 @@ def fit_dispatcher(rows: list[dict], gemm: GemmFit | None, hbm_Bps: float, launc
     """(seconds per eager op, bytes/s) of the token dispatcher (``dispatcher_op_us``,
     ``dispatcher_bw_GBps``) from :func:`hw_validate.microbench.bench_dispatcher` rows, through the
     simulator's own pricing: every piece and direction ``t = ops x op_s + bytes / bw`` with the
-    ops and bytes of :func:`sim.schedule.dispatcher_work` (the gate's router GEMM, priced by the
+    ops and bytes of :func:`sim.frameworks.deepspeed.dispatcher_work` (the gate's router GEMM, priced by the
     fitted GEMM model, taken off first). Least squares on relative error, with an op no cheaper
     than a launch (``kernel_launch_us``) and the gathers no faster than the streaming kernels
     (``hbm_bw_GBps``). Each row gets ``fit_<piece>_<fwd|bwd>_s`` and ``work`` (ops, bytes)."""
     from scipy.optimize import lsq_linear
 
-    from sim.schedule import DISPATCHER_PIECES, dispatcher_work
+    from sim.frameworks.dispatcher import DISPATCHER_PIECES, dispatcher_work
 
     eqs = []  # (row, field, ops, bytes, fixed s, measured s)
     for r in rows:
@@ -290,7 +291,7 @@ def fit_wake(rows: list[dict]) -> tuple[float, float] | None:
     """``(wake_delay_p, wake_delay_cap_s)`` from :func:`hw_validate.microbench.bench_wake` rows,
     each annotated in place with ``mean_spread_s`` and ``fit_spread_s``.
 
-    Model (:func:`sim.schedule.apply_wake_delay`): after a blocking call, with probability ``p`` one
+    Model (:func:`sim.frameworks.deepspeed.apply_wake_delay`): after a blocking call, with probability ``p`` one
     rank resumes ``min(seg, cap)`` late, ``seg`` the compute segment that follows. So the mean exit
     spread at segment ``seg`` is ``base + p min(seg, cap)``, ``base`` the spread with nothing after
     the call (row ``segment_s`` 0: the collective's own exit skew, which the link fit already
@@ -324,7 +325,7 @@ def fit_wake(rows: list[dict]) -> tuple[float, float] | None:
 
 def comm_table(rows: list[dict]) -> list[dict]:
     """nccl-tests-style rows: size, time, algbw, busbw (GB/s = 1e9 B/s)."""
-    from sim.collectives_analytic import bandwidths_GBps
+    from sim.network.closed_form import bandwidths_GBps
 
     out = []
     for r in rows:
@@ -374,7 +375,7 @@ def select_stat(raw: dict[str, Any], stat: str = "median") -> dict[str, Any]:
 def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "median") -> CalibrationRun:
     """Every fit from a microbenchmark result (timings reduced to ``stat``, see :func:`select_stat`);
     the Calibration plus a report of fit quality."""
-    from sim.costs import BYTES_PER_ELEMENT
+    from sim.model.dtypes import BYTES_PER_ELEMENT
 
     raw = select_stat(raw, stat)
     hw = raw["hardware"]

@@ -8,7 +8,7 @@
 On CPU ranks every collective blocks, so a step is a chain of compute segments and rendezvous:
 each call waits for the last rank, and each rank's lateness at a call is what happened to it since
 the previous one. Two things make the ranks late, and the simulator models both
-(:func:`sim.schedule.apply_wake_delay`, :func:`sim.schedule.apply_segment_noise`):
+(:func:`sim.frameworks.deepspeed.apply_wake_delay`, :func:`sim.frameworks.deepspeed.apply_segment_noise`):
 
 * **late wake-ups** -- a rank leaves a call late (gloo's completion wakes its thread on a core the
   peer has just resumed computing on): the spread of the ranks' exits from the call, which grows
@@ -154,7 +154,7 @@ def fit_pauses(seg: np.ndarray | None) -> dict:
     same work every step, so its excess over its median across the steps is noise. The body of
     that excess is a relative spread (``sigma_rel``, from the median absolute deviation); an excess
     above ``max(PAUSE_MIN_S, PAUSE_SIGMAS sigma_rel median)`` is a stall, as the simulator models
-    them (:func:`sim.schedule.apply_pauses`, exponential lengths). The rate and mean
+    them (:func:`sim.frameworks.deepspeed.apply_pauses`, exponential lengths). The rate and mean
     are of the stalls seen, so that the stalled time per second of compute is the measured one
     (stalls shorter than the threshold are part of the body's spread; a truncated-exponential fit
     that extrapolates them, tried on this VM's reference job, gave 1.5x the stalled time seen).
@@ -223,7 +223,7 @@ def profile_job(nproc: int = 2, scenario: str | Path = REFERENCE, steps: int | N
     from hw_validate.launch import run_job
     from hw_validate.measurement import load_measurement
     from hw_validate.validate import measured_section
-    from sim.scenario import load_scenario
+    from sim.api import load_scenario
 
     if nproc < 2:
         raise InputError(f"the desync profile needs >= 2 ranks, got {nproc}", field="--nproc")
@@ -301,7 +301,7 @@ def _simulate_reference(calibration, profile: dict, field: str, values: tuple[fl
     draws as :func:`hw_validate.validate.predict` takes it) with calibration ``field`` set to each of
     ``values``: ``[(phases_s, spans of draw 0), ...]``, or None when the profile kept no job."""
     from hw_validate.validate import simulate_median, simulation_scenario
-    from sim.calibration import save_calibration
+    from sim.inputs.calibration import save_calibration
 
     job = profile.get("job") or {}
     measured = profile.get("measured") or {}

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sim.errors import InputError
-from sim.scenario import Scenario
+from sim.inputs.scenario import Scenario
 
 
 @dataclass(frozen=True)

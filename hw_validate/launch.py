@@ -42,8 +42,8 @@ from pathlib import Path
 
 from hw_validate.diagnose import cause_of, explain_exit, explain_timeout, read_states
 from hw_validate.jit_ops import BuildError, accelerator_of, cpu_rank_env, needed_ops, prepare
+from sim.api import load_scenario
 from sim.errors import InputError
-from sim.scenario import load_scenario
 
 HERE = Path(__file__).resolve().parent
 TRAIN_SCRIPT = HERE / "train_moe.py"

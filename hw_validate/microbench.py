@@ -449,7 +449,7 @@ def bench_dispatcher(b: Bench, progress) -> list[dict]:
     capacity_factor, min_capacity, drop_tokens], ...]``): the real ``TopKGate`` (its router GEMM
     included), ``_route_slots`` + ``_sparse_encode`` and ``_sparse_decode``, forward and backward
     (fwd+bwd less fwd), every rank at once with cold caches, as in the job. The simulator prices
-    them by eager-op counts and bytes (``sim.schedule.dispatcher_work``); a tight loop of a
+    them by eager-op counts and bytes (``sim.frameworks.deepspeed.dispatcher_work``); a tight loop of a
     tiny op (``kernel_launch_us``) underrates them: measured on this VM (1 rank, 512 tokens, d 128,
     8 experts, top-1), sparse encode forward 0.13 ms hot, 0.57 ms cold; 0.78 ms inside the job.
     The drop-free gate's capacity all-reduce runs on a one-rank group, so no collective is timed."""

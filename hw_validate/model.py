@@ -31,7 +31,7 @@ from torch import nn
 
 from hw_validate.dsconfig import GateSettings
 from sim.errors import InputError
-from sim.scenario import ModelConfig, Scenario
+from sim.inputs.scenario import ModelConfig, Scenario
 
 
 def _norm(m: ModelConfig, d: int) -> nn.Module:

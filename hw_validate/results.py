@@ -18,8 +18,8 @@ import torch.distributed as dist
 from hw_validate.measurement import build_measurement, write_measurement
 from hw_validate.router_trace import build_trace
 from hw_validate.timing import PHASES
-from sim.scenario import Scenario
-from sim.trace import save_trace, trace_from_records
+from sim.inputs.router_trace import save_trace, trace_from_records
+from sim.inputs.scenario import Scenario
 
 MEASUREMENT_FILE = "measurement.json"
 TRACE_FILE = "router_trace.json"

@@ -1,4 +1,4 @@
-"""Record DeepSpeed's routing decisions as a ``moesim.router_trace`` file (format in :mod:`sim.trace`).
+"""Record DeepSpeed's routing decisions as a ``moesim.router_trace`` file (format in :mod:`sim.inputs.router_trace`).
 
 A forward hook on every MoE layer's ``TopKGate`` reads, per micro-batch and rank:
 
@@ -12,7 +12,7 @@ A forward hook on every MoE layer's ``TopKGate`` reads, per micro-batch and rank
 
 Counts stay on the device during the step (no host sync inside the timed region) and are copied
 after it. At the end every rank's counts are gathered to rank 0, which writes the trace with
-:func:`sim.trace.save_trace` (atomic).
+:func:`sim.inputs.router_trace.save_trace` (atomic).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sim.trace import RouterTrace
+from sim.inputs.router_trace import RouterTrace
 
 
 class RouterRecorder:

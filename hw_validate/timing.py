@@ -6,7 +6,7 @@ CPU ranks a boundary is ``time.perf_counter()`` (CPU ops are synchronous, so the
 the work). Steps start after a ``dist.barrier()`` so that every rank's step clock starts together.
 
 Phases per step (seconds, summed over micro-batches and layers of one rank). The forward names are
-:mod:`sim.schedule`'s span names one to one:
+:mod:`sim.frameworks.deepspeed`'s span names one to one:
 
 ``embedding``      the token embedding (module hooks, pre -> post).
 ``attention``      every block's self-attention.

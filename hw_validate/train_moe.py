@@ -38,9 +38,10 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script by deepspeed/torchrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from sim.api import load_scenario  # noqa: E402
 from sim.errors import InputError  # noqa: E402
+from sim.inputs.scenario import Scenario  # noqa: E402
 from sim.ioutil import atomic_write_text  # noqa: E402
-from sim.scenario import Scenario, load_scenario  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

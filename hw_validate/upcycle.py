@@ -32,9 +32,10 @@ import torch.nn.functional as F
 
 from hw_validate.data import NextTokenTask, split
 from hw_validate.model import MoEFFN, MoETransformer, build_model
+from sim.api import load_scenario
 from sim.errors import InputError
+from sim.inputs.scenario import Scenario
 from sim.ioutil import atomic_write_bytes
-from sim.scenario import Scenario, load_scenario
 
 FORMAT = "moesim.dense_checkpoint"
 VERSION = 1

@@ -53,8 +53,8 @@ from typing import Any
 import numpy as np
 
 from sim.errors import InputError
+from sim.host.cpu_ranks import WAKE_KERNEL
 from sim.ioutil import atomic_write_text, dumps_json
-from sim.schedule import WAKE_KERNEL
 
 FORMAT = "moesim.validation"
 VERSION = 1
@@ -138,7 +138,7 @@ def predicted_phases(spans: list, world: int) -> dict[str, float]:
 def simulation_scenario(scenario: str | Path, overrides: list[str], calibration: str | Path, trace: str | Path,
                         dtype: str | None = None):  # fmt: skip
     """The scenario as simulated: calibrated, routing replayed from ``trace``, the job's dtype."""
-    from sim.scenario import load_scenario
+    from sim.api import load_scenario
 
     sets = [*overrides, f"calibration={Path(calibration).resolve()}", "routing.generator=trace",
             f"routing.trace={Path(trace).resolve()}"]  # fmt: skip
@@ -158,7 +158,7 @@ PREDICT_DRAWS = 65
 def noise_draws(s, draws: int = PREDICT_DRAWS) -> int:
     """How many steps to simulate for ``s``: ``draws`` when its calibration has rank noise
     (segment noise, stalls, late wake-ups) on more than one rank, else 1 (every draw is the same)."""
-    from sim.simulate import cost_model
+    from sim.engine.simulate import cost_model
 
     cal = cost_model(s).calibration
     noisy = cal is not None and bool(cal.compute_noise_cv or (cal.pause_rate_per_s and cal.pause_mean_s)
@@ -171,7 +171,7 @@ def simulate_median(s, draws: int = PREDICT_DRAWS) -> tuple[float, dict[str, flo
     step is one draw of the ranks' calibrated noise, the job's figure is the median over its steps,
     so this takes the median step time and each phase's median over :func:`noise_draws` draws
     (``result`` and ``spans``: draw 0's)."""
-    from sim.simulate import simulate
+    from sim.engine.simulate import simulate
 
     steps, per, first = [], [], None
     for d in range(noise_draws(s, draws)):
@@ -274,7 +274,7 @@ def format_table(result: dict[str, Any]) -> str:
 def job_key(scenario: str | Path, overrides: list[str], steps: int, nproc: int | None, launcher: str) -> dict:
     """What makes two measurements interchangeable: the scenario as loaded (less its calibration and
     routing source, which only the simulator reads), the overrides, steps, ranks and launcher."""
-    from sim.scenario import load_scenario
+    from sim.api import load_scenario
 
     s = load_scenario(scenario, overrides)
     dump = s.model_dump(mode="json")
@@ -319,8 +319,8 @@ def validate(
     :class:`hw_validate.launch.JobError` when the job (or the calibration job) fails or hangs."""
     from hw_validate.launch import LAUNCHERS, run_job
     from hw_validate.measurement import load_measurement
-    from sim.calibration import load_calibration
-    from sim.scenario import load_scenario
+    from sim.api import load_scenario
+    from sim.inputs.calibration import load_calibration
 
     overrides = list(overrides)
     scen = load_scenario(scenario, overrides)  # bad scenario: exit 2 before anything runs

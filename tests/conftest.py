@@ -30,7 +30,7 @@ def calibrated_scenario(cal, d: Path, name: str = "s", base: Path | None = None,
     changes the YAML document first."""
     import yaml
 
-    from sim.calibration import save_calibration
+    from sim.inputs.calibration import save_calibration
 
     save_calibration(d / f"{name}.json", cal)
     doc = yaml.safe_load((base or SCENARIOS / "cpu-2rank.yaml").read_text())

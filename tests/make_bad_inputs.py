@@ -11,8 +11,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from sim.trace import FORMAT as TFORMAT  # noqa: E402
-from sim.trace import VERSION as TVERSION  # noqa: E402
+from sim.inputs.router_trace import FORMAT as TFORMAT  # noqa: E402
+from sim.inputs.router_trace import VERSION as TVERSION  # noqa: E402
 
 OUT = ROOT / "tests" / "bad_inputs"
 shutil.rmtree(OUT, ignore_errors=True)

@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 import yaml
 
-from sim.calibration import (
+from sim.api import load_scenario
+from sim.errors import InputError
+from sim.hardware.calibrated import apply_link_calibration
+from sim.hardware.cluster import LINK_KINDS, build_cluster
+from sim.hardware.costs import CostModel
+from sim.inputs.calibration import (
     Calibration,
     GemmFit,
     LinkFit,
-    apply_link_calibration,
     load_calibration,
     save_calibration,
 )
-from sim.cluster import LINK_KINDS, build_cluster
-from sim.costs import CostModel
-from sim.errors import InputError
-from sim.scenario import load_scenario
-from sim.topology import load_topology
+from sim.inputs.topology import load_topology
 from tests.conftest import SCENARIOS
 
 
@@ -54,7 +54,7 @@ def test_apply_link_calibration_sets_classes_and_scales_leaf_links():
 
 
 def test_simulate_applies_calibration_before_faults(tmp_path):
-    from sim.simulate import _cluster
+    from sim.engine.simulate import _cluster
 
     save_calibration(tmp_path / "c.json", Calibration(links={"intra": LinkFit(alpha_us=1.0, bw_GBps=100.0)}))
     doc = yaml.safe_load((SCENARIOS / "seed-4gpu.yaml").read_text())
@@ -110,8 +110,8 @@ def test_collective_bytes_factor_scales_only_its_kind():
     """A calibrated all-gather bytes factor f: the ring all-gather's byte term grows f-fold (closed
     form on 2 ranks of one host: 2 alpha + f S/2 / bw), the other kinds and the latency stay, and it
     reaches the engine's tail through the cluster (the path ``simulate`` takes)."""
-    from sim.cli.collective import measure
-    from sim.comm import reduction_model
+    from sim.network.comm import reduction_model
+    from sim.network.nccl_tests import measure
 
     base = build_cluster(load_topology("cpu-host"), 1, 2)
     link = {"intra": LinkFit(alpha_us=200.0, bw_GBps=2.0)}

@@ -10,11 +10,11 @@ from collections import defaultdict
 import pytest
 from conftest import SCENARIOS
 
-from sim.chrome_trace import category_of, flow_events, trace_events, write_chrome_trace
+from sim.api import load_scenario
 from sim.cli.main import main
-from sim.plots import CATEGORIES
-from sim.scenario import load_scenario
-from sim.simulate import simulate
+from sim.engine.simulate import simulate
+from sim.reports.chrome_trace import category_of, flow_events, trace_events, write_chrome_trace
+from sim.reports.plots import CATEGORIES
 
 BIG = SCENARIOS / "128gpu.yaml"
 # 16 GPUs, EP 16 over 2 nodes, skewed routing (waits at the barriers), ZeRO-2 with DP 16

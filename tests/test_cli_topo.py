@@ -7,8 +7,8 @@ import json
 import pytest
 
 from sim.cli.topo import summarize
-from sim.cluster import build_cluster
-from sim.topology import load_topology
+from sim.hardware.cluster import build_cluster
+from sim.inputs.topology import load_topology
 
 
 def test_topo_dgx_h100_16_nodes(cli, tmp_path):

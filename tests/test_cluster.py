@@ -6,15 +6,11 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from sim.cluster import (
-    bisection_closed_form_GBps,
-    bisection_GBps,
-    build_cluster,
-    cluster_for,
-)
+from sim.api import load_scenario
 from sim.errors import InputError
-from sim.scenario import load_scenario
-from sim.topology import load_topology
+from sim.hardware.cluster import bisection_closed_form_GBps, bisection_GBps, build_cluster
+from sim.hardware.faults import cluster_for
+from sim.inputs.topology import load_topology
 from tests.conftest import SCENARIOS
 
 

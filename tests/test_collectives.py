@@ -6,8 +6,19 @@ import numpy as np
 import pytest
 import simpy
 
-from sim.cluster import build_cluster
-from sim.collectives import (
+from sim.hardware.cluster import build_cluster
+from sim.inputs.topology import load_topology
+from sim.network.closed_form import (
+    all_to_all_time_s,
+    bandwidths_GBps,
+    dag_critical_latency_s,
+    dag_link_bytes,
+    dag_lower_bound_s,
+    estimate_rank_times_s,
+    estimate_time_s,
+    ring_time_s,
+)
+from sim.network.collectives import (
     ALGOS,
     KINDS,
     a2a_traffic,
@@ -18,19 +29,8 @@ from sim.collectives import (
     group_nodes,
     uniform_pairs,
 )
-from sim.collectives_analytic import (
-    all_to_all_time_s,
-    bandwidths_GBps,
-    dag_critical_latency_s,
-    dag_link_bytes,
-    dag_lower_bound_s,
-    estimate_rank_times_s,
-    estimate_time_s,
-    ring_time_s,
-)
-from sim.collectives_dag import run_dag
-from sim.network import Network
-from sim.topology import load_topology
+from sim.network.dag import run_dag
+from sim.network.flows import Network
 
 MB, GB = 2**20, 2**30
 
@@ -290,7 +290,7 @@ def test_single_link_processor_sharing_closed_form(topo):
     dag = all_to_all_dag(c, group, pair)
     bw, lat = topo.node.intra.bw_GBps * 1e9, 2 * topo.node.intra.latency_us * 1e-6
     want = np.array([4 * MB, 10 * MB, 10 * MB, 12 * MB]) / bw + lat
-    from sim.collectives_analytic import ps_flow_times_s
+    from sim.network.closed_form import ps_flow_times_s
 
     assert ps_flow_times_s(c, dag) == pytest.approx(want, rel=1e-12)
     _, h = run(c, group, dag)

@@ -9,12 +9,12 @@ import struct
 import pytest
 from conftest import SCENARIOS
 
+from sim.api import load_scenario
 from sim.cli.main import main
-from sim.compare import build_cases, run_compare
-from sim.faults import without_faults
-from sim.scenario import load_scenario
-from sim.simulate import simulate
-from sim.sweep import parse_varies
+from sim.engine.simulate import simulate
+from sim.hardware.faults import without_faults
+from sim.studies.compare import build_cases, run_compare
+from sim.studies.sweep import parse_varies
 
 BIG = str(SCENARIOS / "128gpu.yaml")
 # 16 GPUs on 2 nodes, EP16 over both: node_limited:M=2 may use every node = topk

@@ -12,12 +12,13 @@ import numpy as np
 import pytest
 
 from hw_validate.calibrate_fit import fit_noise
-from sim.calibration import Calibration
-from sim.faults import KernelJitter
-from sim.routing import route_scenario
-from sim.scenario import load_scenario
-from sim.schedule import Compute, build_schedule
-from sim.simulate import cost_model, simulate
+from sim.api import load_scenario
+from sim.engine.simulate import cost_model, simulate
+from sim.engine.step import build_step
+from sim.frameworks.ops import Compute
+from sim.hardware.faults import KernelJitter
+from sim.inputs.calibration import Calibration
+from sim.routing.plan import route_scenario
 from tests.conftest import SCENARIOS, calibrated_scenario
 
 CPU2 = SCENARIOS / "cpu-2rank.yaml"
@@ -48,7 +49,7 @@ def _with_cv(tmp_path, cv, name):
 
 
 def _schedule(s):
-    return build_schedule(s, route_scenario(s), cost_model(s), np.ones(s.world_size))
+    return build_step(s, route_scenario(s), cost_model(s), np.ones(s.world_size))
 
 
 def test_segment_noise_scales_whole_segments_with_lognormal_draws(tmp_path):
@@ -86,7 +87,7 @@ def test_noise_makes_ranks_wait_and_is_deterministic(tmp_path):
 def test_tail_segments_draw_their_own_noise_and_stalls():
     """The tail's segments (optimizer step, each group's gradient norm) each draw one factor after
     the ops' draws; a (world,) tail draws exactly as one row of a (segments, world) tail."""
-    from sim.schedule import apply_pauses, apply_segment_noise
+    from sim.host.cpu_ranks import apply_pauses, apply_segment_noise
 
     def ops():
         return [Compute(["k"], np.full((1, 2), 1e-3), np.zeros((1, 2)), "fwd", 0, 0) for _ in range(3)]

@@ -1,6 +1,6 @@
 """The token dispatcher's cost (DeepSpeed's gate less its GEMM, sparse encode, sparse decode):
 priced by the simulator as ``ops x dispatcher_op_us + bytes / dispatcher_bw_GBps`` over the op
-counts and bytes of ``sim.schedule.dispatcher_work``; ``moesim calibrate`` fits the two constants
+counts and bytes of ``sim.frameworks.deepspeed.dispatcher_work``; ``moesim calibrate`` fits the two constants
 through that same function. Checked against the closed form on synthetic rows and in the schedule."""
 
 from __future__ import annotations
@@ -9,19 +9,13 @@ import numpy as np
 import pytest
 
 from hw_validate.calibrate_fit import dispatcher_errors, fit_dispatcher
-from sim.calibration import Calibration, GemmFit
-from sim.routing import route_scenario
-from sim.scenario import load_scenario
-from sim.schedule import (
-    DISPATCHER_PIECES,
-    GATE_OPS,
-    PERMUTE_OPS,
-    UNPERMUTE_OPS,
-    Compute,
-    build_schedule,
-    dispatcher_work,
-)
-from sim.simulate import cost_model, simulate
+from sim.api import load_scenario
+from sim.engine.simulate import cost_model, simulate
+from sim.engine.step import build_step
+from sim.frameworks.dispatcher import DISPATCHER_PIECES, GATE_OPS, PERMUTE_OPS, UNPERMUTE_OPS, dispatcher_work
+from sim.frameworks.ops import Compute
+from sim.inputs.calibration import Calibration, GemmFit
+from sim.routing.plan import route_scenario
 from tests.conftest import calibrated_scenario
 
 SHAPES = [(256, 128, 4, 2, 160, True), (512, 128, 8, 1, 64, True), (512, 192, 8, 3, 207, False),
@@ -105,7 +99,7 @@ def _scenario(tmp_path, cal, name):
 
 
 def _durations(s):
-    sched = build_schedule(s, route_scenario(s), cost_model(s), np.ones(s.world_size))
+    sched = build_step(s, route_scenario(s), cost_model(s), np.ones(s.world_size))
     out: dict = {}
     for op in sched.ops:
         if isinstance(op, Compute):
@@ -165,7 +159,7 @@ def _hook_ops(tmp_path, name, stage, **cal):
     s = load_scenario(
         calibrated_scenario(Calibration(**cal), tmp_path, name, edit=lambda d: d["parallelism"].update(zero_stage=stage))
     )
-    sched = build_schedule(s, route_scenario(s), cost_model(s), np.ones(s.world_size))
+    sched = build_step(s, route_scenario(s), cost_model(s), np.ones(s.world_size))
     return s, sched, [op for op in sched.ops if isinstance(op, Compute) and op.names == ["grad_hooks"]]
 
 
@@ -175,7 +169,7 @@ def test_zero2_backward_pays_calibrated_gradient_hooks_per_parameter(tmp_path):
     and the fixed overhead once, as the backward's epilogue (``zero_epilogue``) right after the
     flushing GradReady, where DeepSpeed copies the reduced gradients into the rank's partition.
     Uncalibrated or ZeRO-0/3: no such op."""
-    from sim.schedule import GradReady
+    from sim.frameworks.ops import GradReady
 
     s, sched, hooks = _hook_ops(
         tmp_path, "z2", 2, zero_grad_hook_ns_per_param=10.0, zero_grad_hook_overhead_us=500.0

@@ -10,19 +10,20 @@ import pytest
 import yaml
 from conftest import ROOT, run_cli
 
-from sim.cluster import cluster_for
-from sim.collectives import all_to_all_dag
-from sim.collectives_analytic import ps_flow_times_s
-from sim.comm import Comm, reduction_model
-from sim.costs import ceil_div
-from sim.engine import STREAM_KEYS
+from sim.api import load_scenario
+from sim.engine.des import STREAM_KEYS
+from sim.engine.simulate import cost_model, simulate
+from sim.engine.step import build_step
+from sim.frameworks.ops import AllToAll, Compute
+from sim.hardware.faults import cluster_for
 from sim.ioutil import dumps_json
-from sim.memory import memory_per_gpu
-from sim.modelspec import count_params, layer_params, layer_tensors, outer_tensors
-from sim.routing import route_scenario
-from sim.scenario import load_scenario
-from sim.schedule import AllToAll, Compute, build_schedule
-from sim.simulate import cost_model, simulate
+from sim.model.dtypes import ceil_div
+from sim.model.memory import memory_per_gpu
+from sim.model.params import count_params, layer_params, layer_tensors, outer_tensors
+from sim.network.closed_form import ps_flow_times_s
+from sim.network.collectives import all_to_all_dag
+from sim.network.comm import Comm, reduction_model
+from sim.routing.plan import route_scenario
 
 BASE = ROOT / "scenarios" / "cpu-2rank.yaml"
 BIG = ROOT / "scenarios" / "128gpu.yaml"
@@ -71,7 +72,7 @@ def test_two_rank_timeline_is_the_schedule_exactly():
     assert spans[0].start == 0.0
     # compute spans equal the schedule's kernels; an all-to-all equals the closed form
     plan = route_scenario(s)
-    sched = build_schedule(s, plan, cost_model(s), np.ones(2))
+    sched = build_step(s, plan, cost_model(s), np.ones(2))
     kernels = [(n, float(op.durs[i, 0])) for op in sched.ops if isinstance(op, Compute) for i, n in enumerate(op.names)]
     got = [(sp.name, sp.end - sp.start) for sp in spans if sp.name not in ("dispatch", "combine")]
     for (n1, d1), (n2, d2) in zip(kernels, got, strict=False):
@@ -235,7 +236,7 @@ def test_cached_direct_all_to_all_equals_processor_sharing_closed_form():
 
 def test_schedule_counts_all_to_alls_and_flops():
     s = tiny("training.grad_accum_steps=2")
-    sched = build_schedule(s, route_scenario(s), cost_model(s), np.ones(2))
+    sched = build_step(s, route_scenario(s), cost_model(s), np.ones(2))
     a2a = [op for op in sched.ops if isinstance(op, AllToAll)]
     assert len(a2a) == 4 * s.model.num_moe_layers * 2
     fwd = sum(float(op.flops[:, 0].sum()) for op in sched.ops if isinstance(op, Compute) and op.phase == "fwd")
@@ -273,12 +274,12 @@ def test_cli_simulate_json_and_errors(tmp_path):
 
 @pytest.mark.parametrize("extra", [["routing.skew=1.5"], ["parallelism.zero_stage=3"], ["collectives.overlap_comm=false"]])
 def test_vectorised_group_streams_equal_one_process_per_rank(extra):
-    from sim.engine import Engine
-    from sim.simulate import _cluster
+    from sim.engine.des import Engine
+    from sim.engine.simulate import _cluster
 
     s = multi_node(2, "parallelism.ep=8", *extra)
     plan = route_scenario(s)
-    sched = build_schedule(s, plan, cost_model(s), np.ones(s.world_size))
+    sched = build_step(s, plan, cost_model(s), np.ones(s.world_size))
     a = Engine(s, sched, plan, _cluster(s), "ps", trace_ranks={0, 9}).run()
     b = Engine(s, sched, plan, _cluster(s), "ps", trace_ranks={0, 9}, per_rank=True).run()
     # the same events in the same order; sums of the same times may differ in the last bit, as the
@@ -294,9 +295,9 @@ def test_vectorised_group_streams_equal_one_process_per_rank(extra):
 
 @pytest.mark.parametrize("kind", ["all_reduce", "reduce_scatter", "all_gather"])
 def test_reduction_model_is_exact_at_any_size(kind):
-    from sim.collectives import reduction_dag
-    from sim.collectives_analytic import estimate_time_s
-    from sim.comm import reduction_model
+    from sim.network.closed_form import estimate_time_s
+    from sim.network.collectives import reduction_dag
+    from sim.network.comm import reduction_model
 
     cl = cluster_for(multi_node(2))
     group = list(range(0, 16, 2))

@@ -11,20 +11,21 @@ import pytest
 import simpy
 import yaml
 
-from sim.cluster import build_cluster, cluster_for
+from sim.api import load_scenario, scenario_from_dict
 from sim.errors import InputError
-from sim.faults import (
+from sim.hardware.cluster import build_cluster
+from sim.hardware.faults import (
     KernelJitter,
     apply_faults,
+    cluster_for,
     compute_factors,
     describe_faults,
     jitter_sampler,
     without_faults,
 )
-from sim.network import Network
-from sim.scenario import load_scenario, scenario_from_dict
-from sim.scenario_faults import FaultsConfig
-from sim.topology import load_topology
+from sim.inputs.faults import FaultsConfig
+from sim.inputs.topology import load_topology
+from sim.network.flows import Network
 
 S = 1e9
 

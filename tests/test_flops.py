@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 from conftest import ROOT
 
-from sim.flops import (
+from sim.inputs.hfconfig import model_fields_from_hf
+from sim.inputs.scenario import ModelConfig
+from sim.model.flops import (
     attention_core_flops,
     attention_gemms,
     dense_ffn_gemms,
@@ -19,9 +21,7 @@ from sim.flops import (
     router_gemm,
     shared_expert_gemms,
 )
-from sim.hfconfig import model_fields_from_hf
-from sim.modelspec import count_params, layer_params
-from sim.scenario import ModelConfig
+from sim.model.params import count_params, layer_params
 
 HF = ROOT / "tests" / "data" / "hf"
 MODELS = sorted(p.name for p in HF.iterdir() if p.is_dir())

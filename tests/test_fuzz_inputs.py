@@ -16,11 +16,11 @@ from conftest import ROOT, SCENARIOS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from sim.api import load_scenario
 from sim.cli.main import main
 from sim.errors import InputError
-from sim.hfconfig import model_fields_from_hf
-from sim.scenario import load_scenario
-from sim.topology import TOPOLOGY_DIR, load_topology
+from sim.inputs.hfconfig import model_fields_from_hf
+from sim.inputs.topology import TOPOLOGY_DIR, load_topology
 
 FAULTY = {
     "name": "fuzz-faults",

@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from sim.gates import (
+from sim.inputs.scenario import RoutingConfig
+from sim.routing.gates import (
     GUMBEL_STD,
     combine_weights,
     gate_scores,
@@ -13,7 +14,6 @@ from sim.gates import (
     popularity_layer_groups,
     sample_logits,
 )
-from sim.scenario import RoutingConfig
 
 
 def _cfg(**kw) -> RoutingConfig:

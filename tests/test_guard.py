@@ -1,4 +1,4 @@
-"""The resource guard (sim/guard.py): scenarios that would exhaust this machine are refused before
+"""The resource guard (sim/studies/guard.py): scenarios that would exhaust this machine are refused before
 anything big is allocated, with the estimate and what would fit; the shipped ones pass; the
 estimate is checked against the peak RSS of real runs."""
 
@@ -13,15 +13,15 @@ import tracemalloc
 import pytest
 from conftest import ROOT, run_cli
 
+from sim.api import load_scenario
 from sim.errors import InputError
-from sim.guard import (
+from sim.studies.guard import (
     MEMORY_FRACTION,
     Shape,
     check_resources,
     estimate,
     shape_of,
 )
-from sim.scenario import load_scenario
 
 BIG = ROOT / "scenarios" / "128gpu.yaml"
 HUGE = ["--set", "cluster.nodes=12500"]  # 100,000 H100s
@@ -124,8 +124,8 @@ def test_estimate_grows_with_nodes_layers_and_micro_batches():
 
 _MEASURE = """
 import json, sys
-from sim.scenario import load_scenario
-from sim.simulate import simulate
+from sim.api import load_scenario
+from sim.engine.simulate import simulate
 s = load_scenario(sys.argv[1], sys.argv[3:])
 r = simulate(s, engine=sys.argv[2])
 hwm = next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM:"))

@@ -9,9 +9,10 @@ import pytest
 import yaml
 from conftest import ROOT
 
+from sim.api import load_scenario
 from sim.errors import InputError
-from sim.hfconfig import SUPPORTED_MODEL_TYPES, model_fields_from_hf
-from sim.scenario import ModelConfig, load_scenario
+from sim.inputs.hfconfig import SUPPORTED_MODEL_TYPES, model_fields_from_hf
+from sim.inputs.scenario import ModelConfig
 
 HF = ROOT / "tests" / "data" / "hf"
 

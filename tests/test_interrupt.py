@@ -92,9 +92,9 @@ def test_uninterrupted_write_replaces_and_leaves_no_temp(tmp_path):
 def test_main_returns_130_on_a_real_sigint_mid_run(tmp_path, monkeypatch, capsys):
     """A real SIGINT to this process while ``moesim simulate`` runs (sent right after routing, so
     the engine is interrupted): main() returns 130, the previous --json file is intact, no temp."""
-    import sim.routing
+    import sim.routing.plan
 
-    real = sim.routing.route_scenario
+    real = sim.routing.plan.route_scenario
 
     def route_then_sigint(*a, **k):
         plan = real(*a, **k)
@@ -102,7 +102,7 @@ def test_main_returns_130_on_a_real_sigint_mid_run(tmp_path, monkeypatch, capsys
         time.sleep(30)  # never reached in full: the signal interrupts the sleep
         return plan
 
-    monkeypatch.setattr(sim.routing, "route_scenario", route_then_sigint)
+    monkeypatch.setattr(sim.routing.plan, "route_scenario", route_then_sigint)
     # Python's own Ctrl-C handler, even when this test process was started with SIGINT ignored
     # (a background job of a non-interactive shell, nohup): what an interactive user has
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -31,25 +31,26 @@ from conftest import ROOT
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from sim.cluster import cluster_for
-from sim.collectives import (
+from sim.api import load_scenario
+from sim.engine.des import Engine
+from sim.engine.simulate import _cluster, compute_factors, cost_model, resolve_comm_model, simulate
+from sim.engine.step import build_step
+from sim.frameworks.ops import AllToAll, Compute
+from sim.hardware.faults import cluster_for
+from sim.model.dtypes import BYTES_PER_ELEMENT
+from sim.network.closed_form import dag_critical_latency_s, dag_link_bytes, dag_lower_bound_s
+from sim.network.collectives import (
     all_to_all_dag,
     group_nodes,
     hierarchical_all_reduce_dag,
     reduction_dag,
 )
-from sim.collectives_analytic import dag_critical_latency_s, dag_link_bytes, dag_lower_bound_s
-from sim.collectives_dag import run_dag
-from sim.comm import Comm, group_node_bytes
-from sim.costs import BYTES_PER_ELEMENT
-from sim.engine import Engine
-from sim.network import Network
-from sim.routing import route_scenario
-from sim.routing_capacity import padded_capacity
-from sim.scenario import load_scenario
-from sim.schedule import AllToAll, Compute, build_schedule
-from sim.simulate import _cluster, compute_factors, cost_model, resolve_comm_model, simulate
-from sim.traffic import received
+from sim.network.comm import Comm, group_node_bytes
+from sim.network.dag import run_dag
+from sim.network.flows import Network
+from sim.routing.capacity import padded_capacity
+from sim.routing.plan import route_scenario
+from sim.routing.traffic import received
 
 BASES = {"128gpu": ROOT / "scenarios" / "128gpu.yaml", "cpu-2rank": ROOT / "scenarios" / "cpu-2rank.yaml"}
 TOPOLOGY = {"128gpu": ROOT / "topologies" / "dgx-h100.yaml", "cpu-2rank": ROOT / "topologies" / "cpu-host.yaml"}
@@ -382,7 +383,7 @@ def _a2a_lower_bound(s, plan, cluster, op: AllToAll) -> np.ndarray:
 def step_lower_bound(s, plan) -> tuple[float, np.ndarray]:
     """max over ranks of (its kernels + its optimizer + its all-to-all parts' lower bounds): the
     compute stream runs them one after another (the schedule built independently of the engine)."""
-    sched = build_schedule(s, plan, cost_model(s), compute_factors(s))
+    sched = build_step(s, plan, cost_model(s), compute_factors(s))
     cluster = cluster_for(s)
     per_rank = np.array(sched.tail.optimizer_s, dtype=np.float64)
     cache: dict[tuple, np.ndarray] = {}
@@ -428,12 +429,12 @@ def test_spans_never_overlap_and_the_step_beats_no_lower_bound(p):
     assert (last_end >= per_rank * (1 - REL)).all()
     # the busiest link: a max-min network never carries more than bandwidth x time
     model = resolve_comm_model(s, "auto")
-    res = Engine(s, build_schedule(s, plan, cost_model(s), compute_factors(s)), plan, _cluster(s), model).run()
+    res = Engine(s, build_step(s, plan, cost_model(s), compute_factors(s)), plan, _cluster(s), model).run()
     assert res.step_time_s == step
     link_bound = float((res.link_bytes / _cluster(s).link_bw_Bps).max())
     event(f"{model}, {p['a2a']}, world {'<= 4' if world <= 4 else '5-8' if world <= 8 else '> 8'}")
     # exact for flow; ps could in principle beat it (it sees no contention between traffic launched
-    # at different instants, sim/comm.py), so a failure under ps names that limitation
+    # at different instants, sim/network/comm.py), so a failure under ps names that limitation
     assert step >= link_bound * (1 - REL), (model, step, link_bound)
 
 

@@ -8,7 +8,9 @@ import math
 import pytest
 from conftest import SCENARIOS
 
-from sim.memory import (
+from sim.api import load_scenario, scenario_from_dict
+from sim.inputs.scenario import ModelConfig
+from sim.model.memory import (
     GiB,
     activation_bytes,
     capacity,
@@ -16,8 +18,7 @@ from sim.memory import (
     memory_per_gpu,
     moe_rows_per_rank,
 )
-from sim.modelspec import count_params
-from sim.scenario import ModelConfig, load_scenario, scenario_from_dict
+from sim.model.params import count_params
 
 DENSE = {
     "num_layers": 2,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from conftest import ROOT
 
-from sim.hfconfig import model_fields_from_hf
-from sim.modelspec import attention_params, count_params, layer_params
-from sim.scenario import ModelConfig
+from sim.inputs.hfconfig import model_fields_from_hf
+from sim.inputs.scenario import ModelConfig
+from sim.model.params import attention_params, count_params, layer_params
 
 HF = ROOT / "tests" / "data" / "hf"
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import simpy
 
-from sim.cluster import build_cluster
-from sim.maxmin import max_min_rates
-from sim.network import Network
-from sim.topology import load_topology
+from sim.hardware.cluster import build_cluster
+from sim.inputs.topology import load_topology
+from sim.network.flows import Network
+from sim.network.maxmin import max_min_rates
 
 S = 1e9  # bytes
 

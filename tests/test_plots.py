@@ -7,13 +7,13 @@ import pytest
 from conftest import SCENARIOS
 from test_compare import png_size
 
+from sim.api import load_scenario
 from sim.cli.main import main
-from sim.engine import Span
+from sim.engine.des import Span
+from sim.engine.simulate import simulate
 from sim.errors import InputError
-from sim.plots import _layer_window, rank_totals, step_plots, sweep_x_key
-from sim.scenario import load_scenario
-from sim.simulate import simulate
-from sim.sweep import parse_varies
+from sim.reports.plots import _layer_window, rank_totals, step_plots, sweep_x_key
+from sim.studies.sweep import parse_varies
 
 BIG = SCENARIOS / "128gpu.yaml"
 SMALL = ["cluster.nodes=2", "model.num_layers=3", "training.grad_accum_steps=1", "training.seq_len=1024"]

@@ -3,14 +3,14 @@
 import numpy as np
 import pytest
 
+from sim.api import scenario_from_dict
 from sim.errors import InputError
-from sim.gates import gate_scores
+from sim.inputs.router_trace import RouterTrace, save_trace
 from sim.ioutil import dumps_json
-from sim.routing import route_scenario
-from sim.routing_capacity import deepspeed_capacity, keep_mask
-from sim.routing_policy import ExpertLayout, RoutingPolicy, select_experts
-from sim.scenario import scenario_from_dict
-from sim.trace import RouterTrace, save_trace
+from sim.routing.capacity import deepspeed_capacity, keep_mask
+from sim.routing.gates import gate_scores
+from sim.routing.plan import route_scenario
+from sim.routing.policy import ExpertLayout, RoutingPolicy, select_experts
 
 
 def scen(nodes=2, gpn=4, ep=8, experts=32, k=4, mbs=2, seq=64, accum=2, layers=2, model=None, **routing):
@@ -273,7 +273,7 @@ def test_bad_policy_override_is_input_error():
 
 
 def test_covariance_square_root_handles_singular_and_slightly_indefinite():
-    from sim.routing_pool import _sqrt_psd
+    from sim.routing.pool import _sqrt_psd
 
     v = np.random.default_rng(0).standard_normal((6, 3))
     singular = v @ v.T  # rank 3

@@ -9,9 +9,9 @@ import pytest
 torch = pytest.importorskip("torch")
 sharded_moe = pytest.importorskip("deepspeed.moe.sharded_moe")
 
-from sim.gates import combine_weights, gate_scores  # noqa: E402
-from sim.routing_capacity import deepspeed_capacity, drop_order, keep_mask, padded_capacity  # noqa: E402
-from sim.routing_policy import RoutingPolicy, select_experts  # noqa: E402
+from sim.routing.capacity import deepspeed_capacity, drop_order, keep_mask, padded_capacity  # noqa: E402
+from sim.routing.gates import combine_weights, gate_scores  # noqa: E402
+from sim.routing.policy import RoutingPolicy, select_experts  # noqa: E402
 
 TOPK = RoutingPolicy("topk", None, None)
 

@@ -4,8 +4,9 @@ bad input is an InputError naming the field (exit 2 through the CLI)."""
 import pytest
 from conftest import SCENARIOS
 
+from sim.api import load_scenario, scenario_from_dict
 from sim.errors import InputError
-from sim.scenario import load_scenario, parse_policy, scenario_from_dict
+from sim.inputs.scenario import parse_policy
 
 
 def _base() -> dict:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from conftest import ROOT, run_cli
 
+from sim.api import load_scenario
+from sim.engine.simulate import simulate
 from sim.ioutil import dumps_json
-from sim.scenario import load_scenario
-from sim.simulate import simulate
 
 BIG = ROOT / "scenarios" / "128gpu.yaml"
 BASE = ["model.num_layers=2", "training.grad_accum_steps=1", "training.seq_len=1024", "cluster.nodes=2",

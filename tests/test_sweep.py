@@ -13,11 +13,11 @@ import time
 import pytest
 from conftest import ROOT, SCENARIOS
 
+from sim.api import load_scenario
 from sim.cli.main import main
+from sim.engine.simulate import simulate
 from sim.errors import InputError
-from sim.scenario import load_scenario
-from sim.simulate import simulate
-from sim.sweep import parse_varies, parse_vary, product, read_log, split_values, sweep_header
+from sim.studies.sweep import parse_varies, parse_vary, product, read_log, split_values, sweep_header
 
 BIG = str(SCENARIOS / "128gpu.yaml")
 TINY = str(SCENARIOS / "cpu-2rank.yaml")

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from test_routing import scen
 
-from sim.routing import route_scenario
-from sim.routing_policy import ExpertLayout
-from sim.routing_tokens import FeatureColumns
-from sim.traffic import (
+from sim.routing.plan import route_scenario
+from sim.routing.policy import ExpertLayout
+from sim.routing.tokens import FeatureColumns
+from sim.routing.traffic import (
     group_matrix,
     locality_masks,
     max_over_mean,

@@ -12,12 +12,14 @@ import pytest
 
 from hw_validate.calibrate_fit import fit_wake
 from hw_validate.validate import predicted_phases
-from sim.calibration import Calibration
-from sim.engine import Span
-from sim.routing import route_scenario
-from sim.scenario import load_scenario
-from sim.schedule import WAKE_KERNEL, AllToAll, CapacitySync, Compute, Tail, apply_wake_delay, build_schedule
-from sim.simulate import cost_model, simulate
+from sim.api import load_scenario
+from sim.engine.des import Span
+from sim.engine.simulate import cost_model, simulate
+from sim.engine.step import build_step
+from sim.frameworks.ops import AllToAll, CapacitySync, Compute, Tail
+from sim.host.cpu_ranks import WAKE_KERNEL, apply_wake_delay
+from sim.inputs.calibration import Calibration
+from sim.routing.plan import route_scenario
 from tests.conftest import calibrated_scenario
 
 
@@ -105,7 +107,7 @@ def test_engine_step_grows_by_one_cap_per_late_wakeup(tmp_path):
     late = _scenario(tmp_path, 1.0, cap, "late")
     base = simulate(clean)
     assert base["breakdown_s"]["imbalance_wait"] == 0.0
-    sched = build_schedule(late, route_scenario(late), cost_model(late), np.ones(late.world_size))
+    sched = build_step(late, route_scenario(late), cost_model(late), np.ones(late.world_size))
     inserted = [op for op in sched.ops if isinstance(op, Compute) and op.names[0] == WAKE_KERNEL]
     assert inserted and all(float(op.durs[0].max()) == cap for op in inserted)
     n = len(inserted) + (sched.tail.wake_norm_s is not None) + (sched.tail.wake_gather_s is not None)

@@ -1,6 +1,6 @@
 """``moesim calibrate --out CALIB.json``: microbenchmarks on this hardware as a real multi-rank
 job (torchrun or the deepspeed launcher; gloo CPU ranks or NCCL GPUs), fitted into a calibration
-file (``moesim.calibration`` v1, schema in :mod:`sim.calibration`) that a scenario's
+file (``moesim.calibration`` v1, schema in :mod:`sim.inputs.calibration`) that a scenario's
 ``calibration:`` names. Prints the nccl-tests-style table of the collectives and every fitted
 number; ``--json`` adds the fit report to the calibration document.
 

@@ -16,11 +16,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def read_referenced_files(s) -> None:
     """Parse the calibration and router trace the scenario names (load only checks they exist)."""
     if s.calibration is not None:
-        from sim.calibration import load_calibration
+        from sim.inputs.calibration import load_calibration
 
         load_calibration(s.resolve_path(s.calibration))
     if s.routing.trace is not None:
-        from sim.trace import load_trace
+        from sim.inputs.router_trace import load_trace
 
         load_trace(s.resolve_path(s.routing.trace))
 

@@ -37,7 +37,7 @@ def parse_sizes(text: str) -> list[int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from sim.collectives import ALGOS, KINDS
+    from sim.network.collectives import ALGOS, KINDS
 
     parser.add_argument("kind", metavar="KIND", choices=KINDS, help="one of: " + ", ".join(KINDS))
     parser.add_argument("--topology", required=True, metavar="T", help="shipped topology name or YAML path")
@@ -59,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _cluster(args: argparse.Namespace):
-    from sim.cluster import build_cluster
-    from sim.topology import load_topology
+    from sim.hardware.cluster import build_cluster
+    from sim.inputs.topology import load_topology
 
     if args.nodes < 1:
         raise InputError(f"must be >= 1, got {args.nodes}", field="--nodes")
@@ -78,37 +78,9 @@ def _cluster(args: argparse.Namespace):
         raise InputError(exc.message, field="--nodes") from None
 
 
-def measure(cluster, kind: str, algo: str, sizes: list[int]) -> list[dict]:
-    """One fresh simulation per size; rows of nccl-tests figures plus the analytic estimate."""
-    import simpy
-
-    from sim.collectives import collective_dag
-    from sim.collectives_analytic import bandwidths_GBps, estimate_time_s
-    from sim.collectives_dag import run_dag
-    from sim.network import Network
-
-    group = list(range(cluster.world_size))
-    rows = []
-    for size in sizes:
-        dag = collective_dag(cluster, kind, group, float(size), algo)
-        env = simpy.Environment()
-        handle = run_dag(Network(env, cluster), group, dag)
-        env.run()
-        algbw, busbw = bandwidths_GBps(kind, len(group), size, handle.time_s)
-        rows.append(
-            {
-                "bytes": size,
-                "time_s": handle.time_s,
-                "algbw_GBps": algbw,
-                "busbw_GBps": busbw,
-                "estimate_time_s": estimate_time_s(cluster, dag),
-            }
-        )
-    return rows
-
-
 def run(args: argparse.Namespace) -> int:
-    from sim.collectives import ALGOS, DEFAULT_ALGO
+    from sim.network.collectives import ALGOS, DEFAULT_ALGO
+    from sim.network.nccl_tests import measure
 
     sizes = parse_sizes(args.bytes)
     algo = args.algo or DEFAULT_ALGO[args.kind]

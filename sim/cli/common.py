@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from sim.scenario import Scenario, load_scenario
+from sim.api import load_scenario
+from sim.inputs.scenario import Scenario
 
 
 def add_scenario_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +47,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_force_argument(parser: argparse.ArgumentParser, what: str | None = None) -> None:
-    """``--force``: run past the resource guard (:mod:`sim.guard`); ``what`` names the runs of a batch."""
+    """``--force``: run past the resource guard (:mod:`sim.studies.guard`); ``what`` names the runs of a batch."""
     help_ = (f"run {what} the resource guard estimates would exhaust this machine" if what
              else "run even if the resource guard estimates it would exhaust this machine")  # fmt: skip
     parser.add_argument("--force", action="store_true", help=help_)

@@ -40,8 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.compare import format_table, plot_compare, run_compare
-    from sim.sweep import parse_varies
+    from sim.studies.compare import format_table, plot_compare, run_compare
+    from sim.studies.sweep import parse_varies
 
     varies = parse_varies(args.vary)
     for p in args.policy:
@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _check_policy(text: str) -> None:
-    from sim.scenario import parse_policy
+    from sim.inputs.scenario import parse_policy
 
     try:
         parse_policy(text)

@@ -8,11 +8,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from sim.api import load_scenario
 from sim.cli.common import add_json_argument, add_set_argument
 from sim.errors import InputError
+from sim.inputs.scenario import ModelConfig, Scenario, parse_override
+from sim.inputs.yamlio import read_text, validate_model
 from sim.ioutil import write_json
-from sim.scenario import ModelConfig, Scenario, load_scenario, parse_override
-from sim.yamlio import read_text, validate_model
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -34,7 +35,7 @@ def is_hf_config(path: Path) -> bool:
 
 def model_from_hf(path: Path, overrides: list[str]) -> ModelConfig:
     """A ModelConfig from a config.json, with ``--set model.FIELD=VALUE`` overrides applied."""
-    from sim.hfconfig import model_fields_from_hf
+    from sim.inputs.hfconfig import model_fields_from_hf
 
     fields = model_fields_from_hf(path)
     for text in overrides:
@@ -51,8 +52,8 @@ def model_from_hf(path: Path, overrides: list[str]) -> ModelConfig:
 
 def params_report(model: ModelConfig) -> dict[str, Any]:
     """The parameter part of the JSON result."""
-    from sim.flops import matmul_active_params
-    from sim.modelspec import count_params
+    from sim.model.flops import matmul_active_params
+    from sim.model.params import count_params
 
     counts = count_params(model)
     report: dict[str, Any] = {"model": model.name, **counts.as_dict()}
@@ -103,7 +104,7 @@ def print_table(report: dict[str, Any], memory: dict[str, Any] | None) -> None:
 
 
 def scenario_report(s: Scenario) -> dict[str, Any]:
-    from sim.memory import memory_per_gpu
+    from sim.model.memory import memory_per_gpu
 
     mem = memory_per_gpu(s).as_dict()
     return {

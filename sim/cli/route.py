@@ -7,8 +7,8 @@ from typing import Any
 
 from sim.cli.common import add_force_argument, add_json_argument, add_scenario_arguments, scenario_from_args
 from sim.errors import InputError
-from sim.guard import check_resources
 from sim.ioutil import write_json
+from sim.studies.guard import check_resources
 
 DEFAULT_TOUCHED = "1,4,16,64,256,1024"
 
@@ -46,7 +46,7 @@ def parse_touched(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.routing import route_scenario
+    from sim.routing.plan import route_scenario
 
     touched_sizes = parse_touched(args.touched)
     scenario = scenario_from_args(args)
@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
         "balancing": plan.arrays.balancing,
     }
     if args.plot:
-        from sim.routing_plot import plot_routing
+        from sim.reports.routing_plot import plot_routing
 
         plot_routing(plan, args.plot)
     if args.json:

@@ -15,8 +15,8 @@ from sim.cli.common import (
     scenario_from_args,
 )
 from sim.errors import InputError
-from sim.guard import check_resources
 from sim.ioutil import write_json
+from sim.studies.guard import check_resources
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,7 +61,7 @@ def default_trace_ranks(scenario) -> set[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.simulate import simulate
+    from sim.engine.simulate import simulate
 
     scenario = scenario_from_args(args)
     check_resources(scenario, engine=args.engine, comm_model=args.comm_model, force=args.force)
@@ -76,11 +76,11 @@ def run(args: argparse.Namespace) -> int:
     wall = time.perf_counter() - t0
     spans = result.pop("_spans", None)
     if args.trace:
-        from sim.chrome_trace import write_chrome_trace
+        from sim.reports.chrome_trace import write_chrome_trace
 
         write_chrome_trace(args.trace, spans or [], scenario, result, flows=args.trace_flows)
     if args.plot:
-        from sim.plots import step_plots
+        from sim.reports.plots import step_plots
 
         step_plots(args.plot, result, spans or [], scenario)
     if args.json:

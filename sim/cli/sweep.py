@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.sweep import default_jsonl, parse_varies, run_sweep, sweep_header
+    from sim.studies.sweep import default_jsonl, parse_varies, run_sweep, sweep_header
 
     if not args.vary:
         raise InputError("give at least one --vary PATH=V1,V2,..., e.g. --vary cluster.nodes=2,4,8", field="--vary")
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.address and args.backend != "ray":
         raise InputError("--address joins a Ray cluster; it needs --backend ray", field="--address")
     if args.backend == "ray":
-        from sim.sweep_ray import import_ray
+        from sim.studies.sweep_ray import import_ray
 
         import_ray()  # exit 2 with the install hint before any work
     path = Path(args.scenario)
@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError("no such scenario file", file=str(path))
     x_key = None
     if args.plot:
-        from sim.plots import sweep_x_key
+        from sim.reports.plots import sweep_x_key
 
         x_key = sweep_x_key(varies, args.x_key)
     header = sweep_header(path, args.overrides, args.engine, args.comm_model)
@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                     fresh=args.fresh, progress=not args.no_progress, force=args.force)  # fmt: skip
     resumed, log_path = doc.pop("_resumed"), doc.pop("_jsonl")
     if args.plot:
-        from sim.plots import plot_sweep
+        from sim.reports.plots import plot_sweep
 
         plot_sweep(args.plot, doc, x_key)
     if args.json:

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def summarize(cluster) -> dict:
     """The figures printed by ``moesim topo`` (also its JSON)."""
-    from sim.cluster import bisection_closed_form_GBps, bisection_GBps
+    from sim.hardware.cluster import bisection_closed_form_GBps, bisection_GBps
 
     topo, g = cluster.topology, cluster.gpus_per_node
     devices = Counter(d["kind"] for _, d in cluster.graph.nodes(data=True))
@@ -174,8 +174,8 @@ def draw(cluster) -> bytes:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sim.cluster import build_cluster
-    from sim.topology import load_topology
+    from sim.hardware.cluster import build_cluster
+    from sim.inputs.topology import load_topology
 
     if args.nodes < 1:
         raise InputError(f"must be >= 1, got {args.nodes}", field="--nodes")

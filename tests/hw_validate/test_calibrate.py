@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from sim.calibration import Calibration, GemmFit, LinkFit, load_calibration, save_calibration
-from sim.scenario import load_scenario
-from sim.simulate import simulate
+from sim.api import load_scenario
+from sim.engine.simulate import simulate
+from sim.inputs.calibration import Calibration, GemmFit, LinkFit, load_calibration, save_calibration
 from tests.conftest import calibrated_scenario, run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -102,7 +102,7 @@ def test_fitted_link_reproduces_the_measured_sweep(quick):
     ring all-reduce 4 alpha + S / bw (two links per transfer), ring all-gather 2 alpha + f S/2 / bw
     with its calibrated bytes factor f -- and stays within the fit's errors."""
     from hw_validate.calibrate_fit import bench_cluster, simulate_sweep
-    from sim.calibration import apply_link_calibration
+    from sim.hardware.calibrated import apply_link_calibration
 
     _, out, _ = quick
     cal = load_calibration(out)

@@ -22,8 +22,8 @@ from hw_validate.desync import (
     read_spans,
     reference_overrides,
 )
+from sim.api import load_scenario
 from sim.errors import InputError
-from sim.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 NAMES = ["dispatch", "combine", "dispatch_bwd", "combine_bwd", "grad_sync", "optimizer_comm"]
@@ -240,7 +240,7 @@ def test_remove_shm_buffers_takes_only_the_jobs_own(tmp_path):
 def _reference_trace(tmp_path: Path, steps: int = 4) -> Path:
     """A router trace of the reference scenario (2 ranks, 3 MoE layers, 8 experts top-2, 384
     tokens a rank): near-uniform counts, each expert's kept tokens capped at its capacity."""
-    from sim.trace import RouterTrace, save_trace
+    from sim.inputs.router_trace import RouterTrace, save_trace
 
     s = load_scenario(REFERENCE)
     m, tokens = s.model, s.tokens_per_micro_batch
@@ -258,7 +258,7 @@ def _reference_trace(tmp_path: Path, steps: int = 4) -> Path:
 
 def _quiet_calibration(**update):
     """The committed accuracy calibration without rank drift (deterministic, symmetric ranks)."""
-    from sim.calibration import load_calibration
+    from sim.inputs.calibration import load_calibration
 
     cal = load_calibration(ROOT / "benchmarks" / "accuracy" / "cpu-2rank-gloo.calibration.json")
     return cal.model_copy(update={"compute_noise_cv": 0.0, "wake_delay_p": 0.0, "compute_scale": None,
@@ -267,8 +267,8 @@ def _quiet_calibration(**update):
 
 def _predict(tmp_path: Path, cal, trace: Path, name: str):
     from hw_validate.validate import predicted_phases, simulation_scenario
-    from sim.calibration import save_calibration
-    from sim.simulate import simulate
+    from sim.engine.simulate import simulate
+    from sim.inputs.calibration import save_calibration
 
     path = tmp_path / f"{name}.json"
     save_calibration(path, cal)
@@ -324,7 +324,7 @@ def test_fit_compute_scale_recovers_a_planted_factor(tmp_path):
 
 def _planted_segments(rate: float, mean: float, cv: float, steps: int = 400, seed: int = 5) -> np.ndarray:
     """(2, steps, 12) segments of 1-8 ms with lognormal noise ``cv`` and Poisson stalls of
-    exponential length (the simulator's model, sim.schedule.apply_pauses)."""
+    exponential length (the simulator's model, sim.frameworks.deepspeed.apply_pauses)."""
     rng = np.random.default_rng(seed)
     base = np.linspace(1e-3, 8e-3, 12)
     sigma = math.sqrt(math.log1p(cv**2))
@@ -361,7 +361,8 @@ def test_apply_pauses_adds_rate_times_mean_of_stall_time_per_second():
     """Over many segments the stalls add rate x mean x the compute time (Poisson count, exponential
     lengths); rate 0 adds nothing; the same seed gives the same draws, and a rank's draws do not
     depend on how many ranks there are."""
-    from sim.schedule import Compute, apply_pauses
+    from sim.frameworks.ops import Compute
+    from sim.host.cpu_ranks import apply_pauses
 
     def ops(world):
         return [Compute(["experts"], np.full((1, world), 4e-3), np.zeros((1, world)), "fwd", i, 0) for i in range(4000)]
@@ -391,8 +392,8 @@ def test_validate_predicts_the_median_over_noise_draws(tmp_path):
         simulate_median,
         simulation_scenario,
     )
-    from sim.calibration import save_calibration
-    from sim.simulate import simulate
+    from sim.engine.simulate import simulate
+    from sim.inputs.calibration import save_calibration
 
     trace = _reference_trace(tmp_path)
     noisy = _quiet_calibration(compute_noise_cv=0.1, pause_rate_per_s=20.0, pause_mean_s=4e-3)
@@ -416,7 +417,7 @@ def test_call_overhead_follows_every_blocking_call(tmp_path):
     -- each all-to-all, the flushing gradient all-reduce, the tail's norm all-reduces (2 groups
     over dp 2; edp 1) and its parameter gather -- so the step grows by exactly 0.7 ms x that count,
     and validate charges each to the call it follows."""
-    from sim.schedule import AllToAll
+    from sim.frameworks.ops import AllToAll
 
     trace = _reference_trace(tmp_path)
     base, _, r0 = _predict(tmp_path, _quiet_calibration(), trace, "o0")
@@ -436,11 +437,11 @@ def test_call_overhead_follows_every_blocking_call(tmp_path):
 
 
 def build_schedule_of(s):
-    from sim.routing import route_scenario
-    from sim.schedule import build_schedule
-    from sim.simulate import cost_model
+    from sim.engine.simulate import cost_model
+    from sim.engine.step import build_step
+    from sim.routing.plan import route_scenario
 
-    return build_schedule(s, route_scenario(s), cost_model(s), np.ones(s.world_size)).ops
+    return build_step(s, route_scenario(s), cost_model(s), np.ones(s.world_size)).ops
 
 
 def test_fit_call_overhead_recovers_a_planted_overhead(tmp_path):

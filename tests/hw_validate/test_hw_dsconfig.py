@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from hw_validate.dsconfig import build_ds_config, check_batch, gate_settings
+from sim.api import load_scenario
 from sim.errors import InputError
-from sim.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 SEED = ROOT / "scenarios" / "seed-4gpu.yaml"

@@ -21,8 +21,8 @@ pytest.importorskip("deepspeed")
 from hw_validate.jit_ops import CPU_MALLOC_TUNABLES  # noqa: E402
 from hw_validate.launch import JobError, run_job  # noqa: E402
 from hw_validate.measurement import load_measurement  # noqa: E402
-from sim.scenario import load_scenario  # noqa: E402
-from sim.trace import load_trace  # noqa: E402
+from sim.api import load_scenario  # noqa: E402
+from sim.inputs.router_trace import load_trace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU2 = ROOT / "scenarios" / "cpu-2rank.yaml"

@@ -14,8 +14,8 @@ from hw_validate.data import NextTokenTask, split  # noqa: E402
 from hw_validate.dsconfig import gate_settings  # noqa: E402
 from hw_validate.model import MoEFFN, build_model, init_experts  # noqa: E402
 from hw_validate.upcycle import ROUTER_STD, load_dense, save_dense, train_dense, upcycle_  # noqa: E402
+from sim.api import load_scenario  # noqa: E402
 from sim.errors import InputError  # noqa: E402
-from sim.scenario import load_scenario  # noqa: E402
 
 CPU2 = Path(__file__).resolve().parents[2] / "scenarios" / "cpu-2rank.yaml"
 DROPLESS = ["routing.capacity_factor=null", "routing.dispatch=dropless"]
@@ -119,11 +119,11 @@ def test_dense_checkpoint_round_trip_and_errors(tmp_path):
      ["model.linear_bias=true", "model.tie_word_embeddings=true"]],
 )  # fmt: skip
 def test_tensor_counts_match_the_real_model(overrides):
-    """sim.modelspec.layer_tensors / outer_tensors against the parameter tensors of the real
+    """sim.model.params.layer_tensors / outer_tensors against the parameter tensors of the real
     DeepSpeed model (EP 1: every expert local), split as DeepSpeed splits its MoE param groups."""
     from deepspeed.moe.utils import is_moe_param
 
-    from sim.modelspec import layer_tensors, outer_tensors
+    from sim.model.params import layer_tensors, outer_tensors
 
     s = load_scenario(CPU2, ["parallelism.ep=1", *overrides])
     m = build_model(s, gate_settings(s), ep_size=1)

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from hw_validate.validate import compare, predicted_phases
-from sim.calibration import Calibration, GemmFit, LinkFit, save_calibration
-from sim.engine import Span
+from sim.engine.des import Span
+from sim.inputs.calibration import Calibration, GemmFit, LinkFit, save_calibration
 
 ROOT = Path(__file__).resolve().parents[2]
 CPU2 = ROOT / "scenarios" / "cpu-2rank.yaml"
@@ -112,7 +112,7 @@ def test_real_validate_with_calibration_and_reuse(tmp_path, calib):
     from hw_validate.measurement import load_measurement
     from hw_validate.validate import predicted_phases as phases_of
     from hw_validate.validate import simulation_scenario
-    from sim.simulate import simulate
+    from sim.engine.simulate import simulate
 
     keep, out = tmp_path / "keep", tmp_path / "v.json"
     p = _cli(str(CPU2), "--calibration", str(calib), "--steps", STEPS, "--keep", str(keep), "--quiet", "--json", str(out))

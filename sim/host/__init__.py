@@ -1,0 +1,1 @@
+"""Effects of the host a rank runs on, applied to a built schedule (CPU ranks only)."""

@@ -1,0 +1,274 @@
+"""HuggingFace ``config.json`` -> the fields of :class:`sim.inputs.scenario.ModelConfig`.
+
+One mapper per ``model_type``, each reading the keys the matching ``transformers`` modeling file
+reads (``configuration_<type>.py`` defaults where a key is optional). Bad files and missing keys
+are :class:`~sim.errors.InputError` naming the file and the key (exit 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sim.errors import InputError
+from sim.inputs.yamlio import read_text
+
+Fields = dict[str, Any]
+
+
+class _Config:
+    """Typed access to one parsed config.json; every error names the file and key."""
+
+    def __init__(self, data: dict[str, Any], file: str):
+        self.data = data
+        self.file = file
+
+    def error(self, key: str, message: str) -> InputError:
+        return InputError(message, file=self.file, field=key)
+
+    def int(self, key: str, default: int | None = None, minimum: int = 1) -> int:
+        value = self.data.get(key)
+        if value is None:  # absent or null: transformers falls back to the config class default
+            if default is None:
+                raise self.error(key, f"required key '{key}' is missing (or null)")
+            value = default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.error(key, f"must be an integer, got {value!r}")
+        if value < minimum:
+            raise self.error(key, f"must be >= {minimum}, got {value}")
+        return value
+
+    def opt_int(self, key: str) -> int | None:
+        """An integer key that may be absent or null (e.g. DeepSeek's ``q_lora_rank``)."""
+        return None if self.data.get(key) is None else self.int(key)
+
+    def bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key, default)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise self.error(key, f"must be true or false, got {value!r}")
+        return value
+
+    def choice(self, key: str, default: str, allowed: tuple[str, ...]) -> str:
+        value = self.data.get(key, default)
+        if value is None:
+            return default
+        if value not in allowed:
+            raise self.error(key, f"must be one of {', '.join(allowed)}, got {value!r}")
+        return value
+
+
+def _common(c: _Config) -> Fields:
+    """Fields every decoder-only config shares (Llama naming)."""
+    heads = c.int("num_attention_heads")
+    fields: Fields = {
+        "num_layers": c.int("num_hidden_layers"),
+        "hidden_size": c.int("hidden_size"),
+        "num_attention_heads": heads,
+        "num_kv_heads": c.int("num_key_value_heads", default=heads),
+        "vocab_size": c.int("vocab_size"),
+        "tie_word_embeddings": c.bool("tie_word_embeddings", False),
+        "norm_type": "rmsnorm",
+        "ffn_type": "gated",
+    }
+    if c.data.get("head_dim") is not None:
+        fields["head_dim"] = c.int("head_dim")
+    return fields
+
+
+def _dense(c: _Config, attention_bias: bool | None = None) -> Fields:
+    """Llama / Mistral / Qwen2: a dense SwiGLU model (``num_experts = 1``), the source of upcycling."""
+    return {
+        **_common(c),
+        "ffn_hidden_size": c.int("intermediate_size"),
+        "attention_bias": c.bool("attention_bias", False) if attention_bias is None else attention_bias,
+        "linear_bias": c.bool("mlp_bias", False),
+        "num_experts": 1,
+        "top_k": 1,
+    }
+
+
+def _llama(c: _Config) -> Fields:
+    return _dense(c)
+
+
+def _qwen2(c: _Config) -> Fields:
+    return _dense(c, attention_bias=True)  # Qwen2Attention: q/k/v always carry a bias
+
+
+def _routed(c: _Config, experts_key: str, width_key: str, norm_topk_default: bool) -> Fields:
+    """Top-k softmax routing over ``experts_key`` experts of width ``width_key``."""
+    experts = c.int(experts_key)
+    top_k = c.int("num_experts_per_tok")
+    if top_k > experts:
+        raise c.error(
+            "num_experts_per_tok", f"num_experts_per_tok ({top_k}) exceeds {experts_key} ({experts})"
+        )
+    return {
+        "num_experts": experts,
+        "top_k": top_k,
+        "moe_ffn_hidden_size": c.int(width_key),
+        "score_function": "softmax",
+        "norm_topk_prob": c.bool("norm_topk_prob", norm_topk_default),
+    }
+
+
+def _mixtral(c: _Config) -> Fields:
+    # MixtralSparseMoeBlock: softmax over all experts, top-2, renormalised (always).
+    fields = {**_common(c), **_routed(c, "num_local_experts", "intermediate_size", True)}
+    fields["norm_topk_prob"] = True
+    return fields
+
+
+def _granitemoe(c: _Config) -> Fields:
+    # GraniteMoeMoE: router Linear(h, E), top-k softmax over the k selected logits (renormalised).
+    fields = {**_common(c), **_routed(c, "num_local_experts", "intermediate_size", True)}
+    fields["attention_bias"] = c.bool("attention_bias", False)
+    fields["norm_topk_prob"] = True
+    return fields
+
+
+def _olmoe(c: _Config) -> Fields:
+    fields = {**_common(c), **_routed(c, "num_experts", "intermediate_size", False)}
+    fields["attention_bias"] = c.bool("attention_bias", False)
+    # OlmoeAttention: q_norm = RMSNorm(heads x head_dim), k_norm = RMSNorm(kv_heads x head_dim)
+    fields["qk_norm"] = "full"
+    return fields
+
+
+def _sparse_step(c: _Config, fields: Fields) -> Fields:
+    """Qwen MoE layer placement: layer i is MoE iff ``(i + 1) % decoder_sparse_step == 0`` and i is not
+    in ``mlp_only_layers`` -> ``first_dense_layers = step - 1``, ``moe_layer_freq = step``."""
+    step = c.int("decoder_sparse_step", default=1)
+    dense_only = c.data.get("mlp_only_layers") or []
+    if not isinstance(dense_only, list) or not all(isinstance(i, int) for i in dense_only):
+        raise c.error("mlp_only_layers", f"must be a list of layer indices, got {dense_only!r}")
+    first_dense = step - 1
+    if dense_only:
+        if step != 1 or sorted(dense_only) != list(range(len(dense_only))):
+            raise c.error(
+                "mlp_only_layers",
+                "only a leading run of dense layers [0, 1, ..., k-1] with decoder_sparse_step 1 is "
+                f"supported, got {dense_only} with decoder_sparse_step {step}",
+            )
+        first_dense = len(dense_only)
+    fields["first_dense_layers"] = first_dense
+    fields["moe_layer_freq"] = step
+    fields["ffn_hidden_size"] = c.int("intermediate_size")
+    return fields
+
+
+def _qwen2_moe(c: _Config) -> Fields:
+    fields = {**_common(c), **_routed(c, "num_experts", "moe_intermediate_size", False)}
+    fields["attention_bias"] = True  # Qwen2MoeAttention: q/k/v biases
+    shared = c.int("shared_expert_intermediate_size", default=0, minimum=0)
+    if shared:
+        fields.update(num_shared_experts=1, shared_expert_ffn_hidden_size=shared, shared_expert_gate=True)
+    return _sparse_step(c, fields)
+
+
+def _qwen3_moe(c: _Config) -> Fields:
+    fields = {**_common(c), **_routed(c, "num_experts", "moe_intermediate_size", False)}
+    fields["attention_bias"] = c.bool("attention_bias", False)
+    fields["qk_norm"] = "head"  # Qwen3MoeAttention: q_norm / k_norm = RMSNorm(head_dim), per head
+    return _sparse_step(c, fields)
+
+
+def _deepseek(c: _Config, mtp: bool) -> Fields:
+    """DeepSeek-V2/V3: MLA attention, shared experts, leading dense layers, optional MTP modules."""
+    fields = {**_common(c), **_routed(c, "n_routed_experts", "moe_intermediate_size", False)}
+    fields.pop("head_dim", None)
+    first = c.int("first_k_dense_replace", default=0, minimum=0)
+    freq = c.int("moe_layer_freq", default=1)
+    if first % freq:
+        # HF: MoE iff i >= first_k_dense_replace and i % moe_layer_freq == 0; ModelConfig counts from `first`.
+        raise c.error(
+            "moe_layer_freq",
+            f"moe_layer_freq {freq} with first_k_dense_replace {first} places MoE layers at i % {freq} == 0, "
+            "which moesim can represent only when first_k_dense_replace is a multiple of moe_layer_freq",
+        )
+    shared = c.int("n_shared_experts", default=0, minimum=0)
+    fields.update(
+        attention="mla",
+        q_lora_rank=c.opt_int("q_lora_rank"),
+        kv_lora_rank=c.int("kv_lora_rank"),
+        qk_nope_head_dim=c.int("qk_nope_head_dim", minimum=0),
+        qk_rope_head_dim=c.int("qk_rope_head_dim", minimum=0),
+        v_head_dim=c.int("v_head_dim"),
+        attention_bias=c.bool("attention_bias", False),
+        ffn_hidden_size=c.int("intermediate_size"),
+        first_dense_layers=first,
+        moe_layer_freq=freq,
+        num_shared_experts=shared,
+        score_function=c.choice("scoring_func", "softmax", ("softmax", "sigmoid")),
+        router_bias=c.choice("topk_method", "greedy", ("greedy", "group_limited_greedy", "noaux_tc"))
+        == "noaux_tc",
+        mtp_layers=c.int("num_nextn_predict_layers", default=0, minimum=0) if mtp else 0,
+    )
+    if shared:
+        fields["shared_expert_ffn_hidden_size"] = fields["moe_ffn_hidden_size"]
+    return fields
+
+
+#: model_type -> mapper. Dense llama/mistral/qwen2 give ``num_experts = 1`` (upcycling sources).
+MAPPERS: dict[str, Callable[[_Config], Fields]] = {
+    "mixtral": _mixtral,
+    "qwen2_moe": _qwen2_moe,
+    "qwen3_moe": _qwen3_moe,
+    "deepseek_v2": lambda c: _deepseek(c, mtp=False),
+    "deepseek_v3": lambda c: _deepseek(c, mtp=True),
+    "olmoe": _olmoe,
+    "granitemoe": _granitemoe,
+    "llama": _llama,
+    "mistral": _llama,
+    "qwen2": _qwen2,
+}
+
+SUPPORTED_MODEL_TYPES: tuple[str, ...] = tuple(sorted(MAPPERS))
+
+
+def load_hf_json(path: str | Path) -> dict[str, Any]:
+    """Parse a config.json: a missing, empty, binary or malformed file is an :class:`InputError`."""
+    text = read_text(path, "HF config")
+    if not text.strip():
+        raise InputError("HF config is empty", file=str(path))
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}", file=str(path)
+        ) from None
+    except RecursionError:
+        raise InputError("JSON is nested too deeply", file=str(path)) from None
+    if not isinstance(data, dict):
+        raise InputError(
+            f"expected a JSON object at the top level, got {type(data).__name__}", file=str(path)
+        )
+    return data
+
+
+def model_fields_from_hf(path: Path) -> dict[str, Any]:
+    """The ``ModelConfig`` fields described by the HuggingFace ``config.json`` at ``path``."""
+    data = load_hf_json(path)
+    c = _Config(data, str(path))
+    model_type = data.get("model_type")
+    if model_type is None:
+        raise c.error(
+            "model_type",
+            f"required key 'model_type' is missing; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
+        )
+    if model_type not in MAPPERS:
+        raise c.error(
+            "model_type",
+            f"unsupported model_type {model_type!r}; supported: {', '.join(SUPPORTED_MODEL_TYPES)}",
+        )
+    fields = MAPPERS[model_type](c)
+    name = data.get("_name_or_path")
+    fields["name"] = name if isinstance(name, str) and name else Path(path).resolve().parent.name
+    return fields
+
+
+__all__ = ["MAPPERS", "SUPPORTED_MODEL_TYPES", "load_hf_json", "model_fields_from_hf"]

@@ -1,0 +1,340 @@
+"""The scenario schema (pydantic v2) shared by the simulator and the DeepSpeed harness.
+
+A scenario is one YAML file with the sections ``cluster``, ``model``, ``parallelism``, ``training``,
+``routing``, ``collectives``, ``calibration`` and ``faults``. Unknown keys, wrong types and
+impossible layouts are :class:`~sim.errors.InputError` (exit 2) naming the file and field.
+Layout follows DeepSpeed: world = dp (data parallel); expert parallel groups of ``ep`` contiguous
+ranks are carved out of it, and expert gradients are reduced over ``edp = dp / ep`` strided ranks.
+
+The section models live in :mod:`sim.inputs.sections` and :mod:`sim.inputs.faults`; this
+module re-exports them, so ``from sim.inputs.scenario import ModelConfig`` keeps working.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, Field, PrivateAttr, field_validator
+
+from sim.errors import InputError, did_you_mean
+from sim.inputs.faults import FaultsConfig
+from sim.inputs.sections import (
+    _STRICT,
+    POLICIES,
+    AuxFreeBalancing,
+    ClusterConfig,
+    CollectivesConfig,
+    ModelConfig,
+    ParallelismConfig,
+    RoutingConfig,
+    TrainingConfig,
+    parse_policy,
+)
+from sim.inputs.topology import Topology, load_topology
+from sim.inputs.yamlio import StrictModel, _sub_model, load_yaml_mapping, validate_model
+
+
+class Scenario(StrictModel):
+    """One scenario file, validated and bound to its topology."""
+
+    model_config = _STRICT
+    name: str = "scenario"
+    description: str = ""
+    cluster: ClusterConfig
+    model: ModelConfig
+    parallelism: ParallelismConfig = ParallelismConfig()
+    training: TrainingConfig
+    routing: RoutingConfig = RoutingConfig()
+    collectives: CollectivesConfig = CollectivesConfig()
+    calibration: str | None = Field(
+        default=None, description="calibration JSON written by `moesim calibrate`"
+    )
+    faults: FaultsConfig = FaultsConfig()
+
+    _topology: Topology | None = PrivateAttr(default=None)
+    _source: str | None = PrivateAttr(default=None)
+    _base_dir: Path = PrivateAttr(default_factory=Path.cwd)
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("name must not be empty")
+        return v
+
+    # ---- derived layout -------------------------------------------------------------------
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError("scenario is not bound to a topology; use load_scenario()")
+        return self._topology
+
+    @property
+    def source(self) -> str | None:
+        return self._source
+
+    @property
+    def gpus_per_node(self) -> int:
+        return self.cluster.gpus_per_node or self.topology.node.gpus_per_node
+
+    @property
+    def world_size(self) -> int:
+        return self.cluster.nodes * self.gpus_per_node
+
+    @property
+    def dp(self) -> int:
+        return self.parallelism.dp or self.world_size
+
+    @property
+    def ep(self) -> int:
+        return self.parallelism.ep
+
+    @property
+    def edp(self) -> int:
+        """Expert-data-parallel size: replicas of each expert (DeepSpeed's expert_data_parallel group)."""
+        return self.dp // self.ep
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.model.num_experts // self.ep
+
+    @property
+    def tokens_per_micro_batch(self) -> int:
+        """Tokens one rank routes per micro-step (DeepSpeed gating sees S = micro x seq)."""
+        return self.training.micro_batch_size * self.training.seq_len
+
+    @property
+    def global_batch_size(self) -> int:
+        return self.training.micro_batch_size * self.training.grad_accum_steps * self.dp
+
+    def node_of_rank(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def ep_group_of(self, rank: int) -> list[int]:
+        """DeepSpeed's EP group containing ``rank``: ``ep`` contiguous ranks."""
+        start = (rank // self.ep) * self.ep
+        return list(range(start, start + self.ep))
+
+    def ep_groups(self) -> list[list[int]]:
+        return [list(range(s, s + self.ep)) for s in range(0, self.world_size, self.ep)]
+
+    def edp_groups(self) -> list[list[int]]:
+        """DeepSpeed's expert-data-parallel groups: ranks with the same index in every EP group (strided)."""
+        return [list(range(i, self.world_size, self.ep)) for i in range(self.ep)]
+
+    def resolve_path(self, p: str) -> Path:
+        """A path from the scenario, relative to the scenario file's folder."""
+        path = Path(p)
+        return path if path.is_absolute() else self._base_dir / path
+
+    def check_layout(self) -> None:
+        """Cross-field checks that need the topology; raises :class:`InputError` naming the field."""
+        so = self.topology.scaleout
+        if so.kind == "none" and self.cluster.nodes > 1:
+            raise InputError(
+                f"topology '{self.topology.name}' has no scale-out fabric (scaleout.kind: none): it holds "
+                f"one node, got {self.cluster.nodes}",
+                field="cluster.nodes",
+            )
+        self._check_files()
+        world = self.world_size
+        if self.parallelism.dp is not None and self.parallelism.dp != world:
+            raise InputError(
+                f"dp ({self.parallelism.dp}) x tp (1) x pp (1) must equal the world size "
+                f"{world} = {self.cluster.nodes} nodes x {self.gpus_per_node} GPUs; omit dp to derive it",
+                field="parallelism.dp",
+            )
+        ep, experts = self.ep, self.model.num_experts
+        if experts % ep:
+            raise InputError(
+                f"ep ({ep}) must divide model.num_experts ({experts}); "
+                f"choose ep in {_divisors(experts, world)}",
+                field="parallelism.ep",
+            )
+        if world % ep:
+            raise InputError(
+                f"ep ({ep}) must divide the world size ({world}); choose ep in {_divisors(experts, world)}",
+                field="parallelism.ep",
+            )
+        r = self.routing
+        if r.policy != "topk":
+            per_group = self._experts_per_group()
+            groups = experts // per_group
+            m = r.max_groups or 0
+            if m > groups:
+                raise InputError(
+                    f"M={m} exceeds the {groups} {self._group_word()} the experts of one EP group span",
+                    field="routing.max_groups",
+                )
+            if m * per_group < self.model.top_k:
+                raise InputError(
+                    f"M={m} {self._group_word()} hold {m * per_group} experts, fewer than top_k "
+                    f"({self.model.top_k}); raise M to at least {math.ceil(self.model.top_k / per_group)}",
+                    field="routing.max_groups",
+                )
+        if (
+            self.training.global_batch_size is not None
+            and self.training.global_batch_size != self.global_batch_size
+        ):
+            t = self.training
+            raise InputError(
+                f"global_batch_size ({t.global_batch_size}) must equal micro_batch_size ({t.micro_batch_size}) x "
+                f"grad_accum_steps ({t.grad_accum_steps}) x dp ({self.dp}) = {self.global_batch_size}",
+                field="training.global_batch_size",
+            )
+        if self.model.first_dense_layers == self.model.num_layers and self.model.num_experts > 1:
+            raise InputError(
+                "every layer is dense: first_dense_layers == num_layers", field="model.first_dense_layers"
+            )
+
+    def _check_files(self) -> None:
+        """Files the scenario names (calibration, router trace) exist; their content is read by
+        the commands that use them (and by ``moesim check``)."""
+        named = (
+            ("calibration", self.calibration, "calibration file"),
+            ("routing.trace", self.routing.trace, "router trace"),
+        )
+        for field, value, what in named:
+            if value is None:
+                continue
+            path = self.resolve_path(value)
+            if not path.exists():
+                raise InputError(
+                    f"{what} '{value}' not found (a relative path is read from the scenario's folder, {self._base_dir})",
+                    field=field,
+                )
+            if not path.is_file():
+                raise InputError(f"{what} '{value}' is a directory, expected a file", field=field)
+
+    def _group_word(self) -> str:
+        return "nodes" if self.routing.policy == "node_limited" else "devices"
+
+    def _experts_per_group(self) -> int:
+        """Experts in one routing group: one EP rank's experts (device-limited) or one node's (node-limited)."""
+        if self.routing.policy == "device_limited":
+            return self.experts_per_rank
+        ranks_per_node_in_group = min(self.ep, self.gpus_per_node)
+        return self.experts_per_rank * ranks_per_node_in_group
+
+
+def _divisors(experts: int, world: int) -> list[int]:
+    return [d for d in range(1, min(experts, world) + 1) if experts % d == 0 and world % d == 0]
+
+
+# ---- overrides -----------------------------------------------------------------------------------
+def parse_override(text: str) -> tuple[str, Any]:
+    """``'model.num_experts=64'`` -> ``('model.num_experts', 64)``; the value is parsed as YAML."""
+    if "=" not in text:
+        raise InputError(f"override '{text}' must look like path=value, e.g. cluster.nodes=32", field="--set")
+    path, raw = text.split("=", 1)
+    path = path.strip()
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return path, value
+
+
+def apply_override(data: dict[str, Any], path: str, value: Any) -> None:
+    """Set ``data[a][b]... = value`` for ``path = 'a.b...'``; the path must exist in the schema."""
+    parts = path.split(".")
+    cls: type[BaseModel] | None = Scenario
+    node = data
+    for i, part in enumerate(parts):
+        assert cls is not None
+        if part not in cls.model_fields:
+            prefix = ".".join(parts[:i])
+            allowed = sorted(cls.model_fields)
+            raise InputError(
+                f"unknown override path '{path}'{did_you_mean(part, allowed)}; "
+                f"keys under {prefix or 'the top level'}: {', '.join(allowed)}",
+                field="--set",
+            )
+        if i == len(parts) - 1:
+            node[part] = value
+            return
+        sub = _sub_model(cls.model_fields[part].annotation)
+        if sub is None:
+            raise InputError(
+                f"'{'.'.join(parts[: i + 1])}' is a value, not a section, in '{path}'", field="--set"
+            )
+        nxt = node.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            node[part] = nxt
+        node, cls = nxt, sub
+
+
+# ---- loading -------------------------------------------------------------------------------------
+def read_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Scenario:
+    """Read, override, resolve the HF config, validate and bind the topology of a scenario file.
+    The fault targets are checked against the cluster by :func:`sim.api.load_scenario`."""
+    path = Path(path)
+    data = load_yaml_mapping(path, "scenario file")
+    for text in overrides:
+        key, value = parse_override(text)
+        apply_override(data, key, value)
+    return parse_scenario(data, source=str(path), base_dir=path.resolve().parent)
+
+
+def parse_scenario(
+    data: dict[str, Any], source: str | None = None, base_dir: Path | None = None
+) -> Scenario:
+    """Validate a scenario mapping (as read from YAML) and bind its topology (schema and layout
+    checks; :func:`sim.api.scenario_from_dict` adds the checks against the cluster graph)."""
+    base_dir = base_dir or Path.cwd()
+    data = dict(data)
+    model = data.get("model")
+    hf_note = None
+    if isinstance(model, dict) and model.get("hf_config") is not None:
+        from sim.inputs.hfconfig import model_fields_from_hf
+
+        hf = model["hf_config"]
+        if not isinstance(hf, str) or not hf.strip():
+            raise InputError(
+                f"must be the path of a HuggingFace config.json, got {hf!r}",
+                file=source,
+                field="model.hf_config",
+            )
+        hf_path = Path(hf)
+        if not hf_path.is_absolute():
+            hf_path = base_dir / hf_path
+        fields = model_fields_from_hf(hf_path)
+        data["model"] = {**fields, **model}
+        hf_note = str(hf_path)
+    try:
+        scenario = validate_model(Scenario, data, source)
+    except InputError as exc:
+        if hf_note and "model." in exc.message:
+            exc.message += f" (model fields not set in the scenario come from {hf_note})"
+        raise
+    scenario._source = source
+    scenario._base_dir = base_dir
+    try:
+        scenario._topology = load_topology(scenario.cluster.topology, base_dir)
+        scenario.check_layout()
+    except InputError as exc:
+        raise (exc.with_file(source) if source else exc) from None
+    return scenario
+
+
+__all__ = [
+    "POLICIES",
+    "AuxFreeBalancing",
+    "ClusterConfig",
+    "CollectivesConfig",
+    "FaultsConfig",
+    "ModelConfig",
+    "ParallelismConfig",
+    "RoutingConfig",
+    "Scenario",
+    "TrainingConfig",
+    "apply_override",
+    "parse_override",
+    "parse_policy",
+    "parse_scenario",
+    "read_scenario",
+]

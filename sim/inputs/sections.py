@@ -1,0 +1,302 @@
+"""Section models of the scenario schema: ``cluster``, ``model``, ``parallelism``, ``training``,
+``routing`` and ``collectives`` (``faults`` lives in :mod:`sim.inputs.faults`).
+
+Every model is strict (unknown keys are errors); cross-field checks inside one section raise
+:func:`~sim.inputs.yamlio.field_error` so the message names ``section.field``. Checks that need the
+topology or more than one section live on :class:`sim.inputs.scenario.Scenario`.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import ConfigDict, Field, model_validator
+
+from sim.inputs.yamlio import StrictModel, field_error
+
+_STRICT = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
+_WIDTH = 1_000_000  # upper bound on head counts, head and low-rank widths: far past any model
+_FFN = 100_000_000  # upper bound on FFN widths
+
+POLICIES = ("topk", "node_limited", "device_limited")
+#: Collective kinds (nccl-tests names); calibration files key their bytes factors by them.
+Kind = Literal["all_to_all", "all_reduce", "reduce_scatter", "all_gather"]
+KINDS: tuple[str, ...] = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather")
+_POLICY_RE = re.compile(r"^(topk|node_limited|device_limited)(?::M=(\d+))?$")
+
+
+def parse_policy(text: str) -> tuple[str, int | None]:
+    """``'node_limited:M=4'`` -> ``('node_limited', 4)``; ``'topk'`` -> ``('topk', None)``."""
+    m = _POLICY_RE.match(text.strip())
+    if not m:
+        raise ValueError(
+            f"policy '{text}' not understood; use topk, node_limited:M=<groups> or device_limited:M=<groups>"
+        )
+    return m.group(1), (int(m.group(2)) if m.group(2) else None)
+
+
+class ClusterConfig(StrictModel):
+    """Which hardware and how much of it."""
+
+    model_config = _STRICT
+    topology: str = Field(description="shipped topology name (dgx-h100, ...) or path to a topology YAML")
+    nodes: int = Field(ge=1, le=1_000_000, description="number of nodes")
+    gpus_per_node: int | None = Field(
+        default=None, ge=1, le=1024, description="override the topology's GPUs per node"
+    )
+
+
+class ModelConfig(StrictModel):
+    """Model shape. Either inline fields, or ``hf_config`` (a HuggingFace config.json) plus overrides."""
+
+    model_config = _STRICT
+    name: str = "custom"
+    hf_config: str | None = Field(default=None, description="path to a HuggingFace config.json")
+    num_layers: int = Field(ge=1, le=100_000)
+    hidden_size: int = Field(ge=1, le=1_000_000)
+    num_attention_heads: int = Field(default=1, ge=1, le=_WIDTH)
+    num_kv_heads: int | None = Field(
+        default=None, ge=1, le=_WIDTH, description="GQA key/value heads (default = heads)"
+    )
+    head_dim: int | None = Field(default=None, ge=1, le=_WIDTH, description="default hidden_size / heads")
+    attention: Literal["mha", "mla", "none"] = Field(default="mha", description="mha covers GQA/MQA")
+    q_lora_rank: int | None = Field(
+        default=None, ge=1, le=_WIDTH, description="MLA query low-rank (None: full-rank q)"
+    )
+    kv_lora_rank: int | None = Field(default=None, ge=1, le=_WIDTH, description="MLA compressed KV rank")
+    qk_nope_head_dim: int | None = Field(default=None, ge=0, le=_WIDTH)
+    qk_rope_head_dim: int | None = Field(default=None, ge=0, le=_WIDTH)
+    v_head_dim: int | None = Field(default=None, ge=1, le=_WIDTH)
+    attention_bias: bool = Field(default=False, description="biases on q/k/v projections (Qwen2)")
+    qk_norm: Literal["none", "head", "full"] = Field(
+        default="none",
+        description="RMSNorm on queries and keys: head = per head, width head_dim (Qwen3-MoE); "
+        "full = over the whole q (heads x head_dim) and k (kv_heads x head_dim) projections (OLMoE)",
+    )
+    vocab_size: int = Field(default=32000, ge=1, le=100_000_000)
+    tie_word_embeddings: bool = False
+    norm_type: Literal["rmsnorm", "layernorm"] = "rmsnorm"
+    ffn_type: Literal["gated", "plain", "linear"] = Field(
+        default="gated", description="gated: SwiGLU, 3 matrices; plain: 2 matrices; linear: 1 d x d matrix"
+    )
+    linear_bias: bool = Field(default=False, description="biases on FFN/expert linear layers")
+    ffn_hidden_size: int | None = Field(default=None, ge=1, le=_FFN, description="dense layers' FFN width")
+    moe_ffn_hidden_size: int | None = Field(
+        default=None, ge=1, le=_FFN, description="one routed expert's FFN width"
+    )
+    num_experts: int = Field(default=1, ge=1, le=1_000_000, description="routed experts per MoE layer")
+    top_k: int = Field(default=1, ge=1, le=1_000_000, description="experts per token")
+    num_shared_experts: int = Field(default=0, ge=0, le=10_000)
+    shared_expert_ffn_hidden_size: int | None = Field(
+        default=None, ge=1, description="one shared expert's width"
+    )
+    shared_expert_gate: bool = Field(default=False, description="Qwen2-MoE sigmoid gate on the shared expert")
+    first_dense_layers: int = Field(
+        default=0, ge=0, le=100_000, description="leading layers with a dense FFN"
+    )
+    moe_layer_freq: int = Field(
+        default=1, ge=1, le=100_000, description="every n-th layer (after the dense ones) is MoE"
+    )
+    mtp_layers: int = Field(
+        default=0, ge=0, le=1000, description="multi-token-prediction modules (DeepSeek-V3)"
+    )
+    score_function: Literal["softmax", "sigmoid"] = "softmax"
+    norm_topk_prob: bool = Field(default=True, description="renormalise the top-k weights to sum to 1")
+    router_bias: bool = Field(default=False, description="per-expert selection bias (DeepSeek-V3)")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelConfig:
+        if self.top_k > self.num_experts:
+            raise field_error("top_k", f"top_k ({self.top_k}) must be <= num_experts ({self.num_experts})")
+        if self.num_kv_heads is not None and self.num_attention_heads % self.num_kv_heads:
+            raise field_error(
+                "num_kv_heads",
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})",
+            )
+        if self.attention == "mha" and self.head_dim is None and self.hidden_size % self.num_attention_heads:
+            raise field_error(
+                "head_dim",
+                f"hidden_size ({self.hidden_size}) is not divisible by num_attention_heads "
+                f"({self.num_attention_heads}); set head_dim",
+            )
+        if self.qk_norm != "none" and self.attention != "mha":
+            raise field_error(
+                "qk_norm", f"qk_norm: {self.qk_norm} applies to attention: mha only, not {self.attention}"
+            )
+        if self.attention == "mla":
+            missing = [
+                f
+                for f in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+                if getattr(self, f) is None
+            ]
+            if missing:
+                raise field_error("attention", f"attention: mla needs {', '.join(missing)}")
+        if self.is_moe and self.moe_ffn_hidden_size is None and self.ffn_type != "linear":
+            raise field_error("moe_ffn_hidden_size", "moe_ffn_hidden_size is required when num_experts > 1")
+        has_dense = self.first_dense_layers > 0 or self.moe_layer_freq > 1 or not self.is_moe
+        if has_dense and self.ffn_hidden_size is None and self.ffn_type != "linear":
+            raise field_error(
+                "ffn_hidden_size", "ffn_hidden_size is required: the model has dense FFN layers"
+            )
+        if self.first_dense_layers > self.num_layers:
+            raise field_error(
+                "first_dense_layers",
+                f"first_dense_layers ({self.first_dense_layers}) exceeds num_layers ({self.num_layers})",
+            )
+        return self
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1 or self.num_shared_experts > 0
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_kv_heads or self.num_attention_heads
+
+    @property
+    def head_size(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has an MoE FFN (HF's first_k_dense_replace + moe_layer_freq)."""
+        if self.num_experts <= 1:
+            return False
+        return (
+            layer >= self.first_dense_layers and (layer - self.first_dense_layers) % self.moe_layer_freq == 0
+        )
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_layers))
+
+
+class ParallelismConfig(StrictModel):
+    """DeepSpeed-style data + expert parallelism with ZeRO."""
+
+    model_config = _STRICT
+    dp: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000_000,
+        description="data-parallel size; derived (= world size) when omitted",
+    )
+    ep: int = Field(
+        default=1, ge=1, le=1_000_000_000, description="expert-parallel group size (contiguous ranks)"
+    )
+    zero_stage: Literal[0, 1, 2, 3] = 2
+
+
+class AuxFreeBalancing(StrictModel):
+    """DeepSeek-V3 aux-loss-free balancing: per-expert selection bias moved by +-gamma per step."""
+
+    model_config = _STRICT
+    enabled: bool = False
+    gamma: float = Field(default=0.001, gt=0, le=1000, description="bias update speed per step")
+    steps: int = Field(
+        default=0,
+        ge=0,
+        le=1_000_000,
+        description="simulated warm-up steps of bias updates before the measured step",
+    )
+
+
+class TrainingConfig(StrictModel):
+    """Batch, precision and optimizer."""
+
+    model_config = _STRICT
+    micro_batch_size: int = Field(ge=1, le=1_000_000, description="sequences per rank per micro-step")
+    seq_len: int = Field(ge=1, le=10_000_000, description="tokens per sequence")
+    grad_accum_steps: int = Field(default=1, ge=1, le=1_000_000, description="micro-steps per optimizer step")
+    global_batch_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=10**15,
+        description="sequences per step; checked = micro x accum x dp when given",
+    )
+    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    optimizer: Literal["adam", "sgd"] = "adam"
+    offload_optimizer: Literal["none", "cpu"] = "none"
+    activation_checkpointing: bool = False
+    steps: int = Field(default=10, ge=1, le=10_000_000, description="steps a real run takes (hw_validate)")
+    warmup_steps: int = Field(
+        default=2, ge=0, le=10_000_000, description="steps excluded from measurement (hw_validate)"
+    )
+    lr: float = Field(default=1e-3, gt=0, le=1000)
+
+
+class RoutingConfig(StrictModel):
+    """Router decisions: gate-score generator, policy, capacity and dispatch."""
+
+    model_config = _STRICT
+    policy: str = Field(
+        default="topk", description="topk | node_limited | device_limited (or 'node_limited:M=4')"
+    )
+    max_groups: int | None = Field(
+        default=None, ge=1, le=1_000_000_000, description="M: groups (nodes/devices) a token may use"
+    )
+    generator: Literal["uniform", "skewed", "trace"] = "uniform"
+    skew: float = Field(default=0.0, ge=0, le=100, description="expert-popularity skew; 0 = uniform")
+    drift: float = Field(default=0.0, ge=0, le=1, description="popularity change from layer to layer (0..1)")
+    sequence_correlation: float = Field(
+        default=0.0, ge=0, le=1, description="tokens of a sequence share a preference"
+    )
+    trace: str | None = Field(default=None, description="router trace file for generator: trace")
+    capacity_factor: float | None = Field(
+        default=1.0, gt=0, le=1e6, description="null = no capacity limit (no drops)"
+    )
+    min_capacity: int = Field(default=4, ge=0, le=1_000_000_000)
+    drop_policy: Literal["probs", "position"] = "probs"
+    dispatch: Literal["capacity_padded", "dropless"] = "capacity_padded"
+    route_scale: float = Field(
+        default=1.0, gt=0, le=1e6, description="scale on routing weights (DeepSeek-V3: 2.5)"
+    )
+    seed: int = Field(default=0, ge=0, le=2**63 - 1)
+    aux_free_balancing: AuxFreeBalancing = AuxFreeBalancing()
+
+    @model_validator(mode="after")
+    def _policy(self) -> RoutingConfig:
+        try:
+            name, m = parse_policy(self.policy)
+        except ValueError as exc:
+            raise field_error("policy", str(exc)) from None
+        if m is not None:
+            if self.max_groups is not None and self.max_groups != m:
+                raise field_error("max_groups", f"policy says M={m} but max_groups is {self.max_groups}")
+            self.max_groups = m
+        self.policy = name
+        if name != "topk" and self.max_groups is None:
+            raise field_error("max_groups", f"policy {name} needs max_groups (M), e.g. policy: {name}:M=2")
+        if self.generator == "trace" and not self.trace:
+            raise field_error("trace", "generator: trace needs routing.trace (path to a router trace file)")
+        return self
+
+    @property
+    def policy_string(self) -> str:
+        return self.policy if self.policy == "topk" else f"{self.policy}:M={self.max_groups}"
+
+
+class CollectivesConfig(StrictModel):
+    """Collective algorithms and gradient bucketing."""
+
+    model_config = _STRICT
+    all_to_all: Literal["direct", "hierarchical"] = "direct"
+    all_reduce: Literal["ring", "tree"] = "ring"
+    reduce_bucket_elements: int = Field(
+        default=500_000_000, ge=1, le=10**13, description="DeepSpeed reduce_bucket_size"
+    )
+    overlap_comm: bool = Field(default=True, description="overlap gradient reduction with backward")
+
+
+__all__ = [
+    "POLICIES",
+    "AuxFreeBalancing",
+    "ClusterConfig",
+    "CollectivesConfig",
+    "ModelConfig",
+    "ParallelismConfig",
+    "RoutingConfig",
+    "TrainingConfig",
+    "parse_policy",
+]

@@ -1,0 +1,156 @@
+"""GEMM shapes and FLOP counts of a model, for timing kernels and for MFU. Pure functions.
+
+A :class:`Gemm` is ``(name, n, k)``: each token row is multiplied by a ``k x n`` weight, so a batch
+of ``M`` tokens costs ``2 M n k`` FLOPs (one multiply-add = 2 FLOPs). Names follow Megatron-Core
+(``linear_qkv``, ``linear_proj``, ``linear_fc1``/``linear_fc2``; gated FFNs fuse gate and up into
+one ``fc1`` of width ``2f``). Attention core (scores and weighted sum, causal):
+``2 * heads * (d_qk + d_v) * s(s+1)/2`` per sequence and layer; without the causal mask ``s^2``
+pairs, which with ``d_qk = d_v = Q`` and forward+backward = 3x forward gives PaLM's
+``12 L H Q T`` per token (Chowdhery et al. 2022, appendix B). Model FLOPs per token for MFU:
+``6 N + 3 x attention`` with ``N`` the active parameters that sit in matrix multiplies
+(``ParamCounts.active`` less the input-embedding lookup), as in PaLM appendix B and Megatron-LM's
+``num_floating_point_operations`` (which halves the attention term for causal masks).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sim.inputs.scenario import ModelConfig
+from sim.model.params import count_params
+
+
+@dataclass(frozen=True)
+class Gemm:
+    """One weight matrix applied to every token row: ``[M, k] @ [k, n]``."""
+
+    name: str
+    n: int
+    k: int
+
+    @property
+    def flops_per_row(self) -> int:
+        return 2 * self.n * self.k
+
+    def flops(self, rows: int) -> int:
+        return rows * self.flops_per_row
+
+
+def attention_gemms(m: ModelConfig) -> list[Gemm]:
+    """Projections of one attention block: fused QKV + output for MHA/GQA; MLA's low-rank down/up."""
+    d, h = m.hidden_size, m.num_attention_heads
+    if m.attention == "none":
+        return []
+    if m.attention == "mla":
+        nope, rope = m.qk_nope_head_dim or 0, m.qk_rope_head_dim or 0
+        kv_rank, v = m.kv_lora_rank or 0, m.v_head_dim or 0
+        if m.q_lora_rank:
+            q = [
+                Gemm("linear_q_down", m.q_lora_rank, d),
+                Gemm("linear_q_up", h * (nope + rope), m.q_lora_rank),
+            ]
+        else:
+            q = [Gemm("linear_q", h * (nope + rope), d)]
+        return [
+            *q,
+            Gemm("linear_kv_down", kv_rank + rope, d),
+            Gemm("linear_kv_up", h * (nope + v), kv_rank),
+            Gemm("linear_proj", d, h * v),
+        ]
+    hd = m.head_size
+    return [Gemm("linear_qkv", (h + 2 * m.kv_heads) * hd, d), Gemm("linear_proj", d, h * hd)]
+
+
+def ffn_gemms(d: int, width: int | None, ffn_type: str, prefix: str) -> list[Gemm]:
+    """One FFN: gated -> fc1 (2w) + fc2; plain -> fc1 (w) + fc2; linear -> one d x d."""
+    if ffn_type == "linear":
+        return [Gemm(f"{prefix}linear_fc1", d, d)]
+    assert width is not None, "ffn width is validated by ModelConfig"
+    fc1 = 2 * width if ffn_type == "gated" else width
+    return [Gemm(f"{prefix}linear_fc1", fc1, d), Gemm(f"{prefix}linear_fc2", d, width)]
+
+
+def dense_ffn_gemms(m: ModelConfig) -> list[Gemm]:
+    return ffn_gemms(m.hidden_size, m.ffn_hidden_size, m.ffn_type, "")
+
+
+def expert_gemms(m: ModelConfig) -> list[Gemm]:
+    """One routed expert; rows = tokens routed to it."""
+    return ffn_gemms(m.hidden_size, m.moe_ffn_hidden_size, m.ffn_type, "expert.")
+
+
+def shared_expert_gemms(m: ModelConfig) -> list[Gemm]:
+    """All shared experts of a layer as one FFN of width ``n_shared * w`` (+ the Qwen2-MoE gate)."""
+    if not m.num_shared_experts:
+        return []
+    if m.ffn_type == "linear":  # d x d experts do not fuse along n: one GEMM each
+        gemms = [Gemm("shared_expert.linear_fc1", m.hidden_size, m.hidden_size)] * m.num_shared_experts
+    else:
+        width = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or m.moe_ffn_hidden_size or 0)
+        gemms = ffn_gemms(m.hidden_size, width, m.ffn_type, "shared_expert.")
+    if m.shared_expert_gate:
+        gemms.append(Gemm("shared_expert.gate", 1, m.hidden_size))
+    return gemms
+
+
+def router_gemm(m: ModelConfig) -> Gemm:
+    return Gemm("router", m.num_experts, m.hidden_size)
+
+
+def lm_head_gemm(m: ModelConfig) -> Gemm:
+    return Gemm("output_layer", m.vocab_size, m.hidden_size)
+
+
+def mtp_gemms(m: ModelConfig) -> list[Gemm]:
+    """DeepSeek-V3 MTP module projection ``eh_proj`` (2d -> d); its layer reuses the shapes above."""
+    return [Gemm("mtp.eh_proj", m.hidden_size, 2 * m.hidden_size)] if m.mtp_layers else []
+
+
+def attention_core_flops(m: ModelConfig, seq_len: int, causal: bool = True) -> int:
+    """Forward FLOPs of scores (QK^T) and weighted sum (PV) for one sequence in one layer."""
+    if m.attention == "none":
+        return 0
+    if m.attention == "mla":
+        d_qk = (m.qk_nope_head_dim or 0) + (m.qk_rope_head_dim or 0)
+        d_v = m.v_head_dim or 0
+    else:
+        d_qk = d_v = m.head_size
+    pairs = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
+    return 2 * m.num_attention_heads * (d_qk + d_v) * pairs
+
+
+def matmul_active_params(m: ModelConfig) -> int:
+    """Active parameters that sit in matrix multiplies: ``active`` less the input-embedding lookup
+    (a tied table stays, as the LM head). The ``N`` of ``6N``."""
+    counts = count_params(m)
+    lookup = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size
+    return counts.active - lookup
+
+
+def forward_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Forward FLOPs per token: ``2 N`` (matrix multiplies, biases/norms included as 1 FMA each,
+    a <0.1% overcount) plus the attention core averaged over the sequence."""
+    attention = m.num_layers * attention_core_flops(m, seq_len, causal) / seq_len
+    return 2.0 * matmul_active_params(m) + attention
+
+
+def model_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Training FLOPs per token for MFU: forward + backward = 3 x forward (PaLM appendix B)."""
+    return 3.0 * forward_flops_per_token(m, seq_len, causal)
+
+
+__all__ = [
+    "Gemm",
+    "attention_core_flops",
+    "attention_gemms",
+    "dense_ffn_gemms",
+    "expert_gemms",
+    "ffn_gemms",
+    "forward_flops_per_token",
+    "lm_head_gemm",
+    "matmul_active_params",
+    "model_flops_per_token",
+    "mtp_gemms",
+    "router_gemm",
+    "shared_expert_gemms",
+]

@@ -1,0 +1,273 @@
+"""The two ways of producing every (layer, micro-batch, rank) count: exact and pooled.
+
+- ``exact``: every token of every rank gets its own logits and is routed and capacity-dropped one
+  by one (DeepSpeed's order). Cost 3-6 s per million tokens at E = 128 on 2 cores: for small scenarios and as
+  the reference the pooled path is tested against.
+- ``pooled``: per distinct layer distribution, a pool of tokens is routed exactly and its feature
+  moments drive one Gaussian draw per (layer, micro-batch, rank) (:mod:`sim.routing.pool`).
+
+Random streams are keyed by ``routing.seed`` and never by the policy, so every policy sees the same
+gate scores (and the same Gaussian noise): comparisons are paired.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from sim.errors import InputError
+from sim.inputs.router_trace import load_trace
+from sim.inputs.scenario import Scenario
+from sim.routing.balance import aux_free_bias
+from sim.routing.capacity import deepspeed_capacity, drop_order, keep_mask
+from sim.routing.gates import gate_scores, log_popularity, popularity_layer_groups, sample_logits
+from sim.routing.policy import ExpertLayout, RoutingPolicy
+from sim.routing.pool import cap_counts, gaussian_features, pool_moments, round_counts
+from sim.routing.tokens import FeatureColumns, RoutedTokens, aggregate_batches, route_tokens, token_features
+
+#: Pool tokens shared out over the distinct layer distributions, and the floor per distribution.
+POOL_TOKENS = 65536
+MIN_POOL_TOKENS = 4096
+#: Sequence types (latent preferences) a pool holds when tokens of a sequence are correlated.
+MAX_TYPES = 256
+#: Pool tokens (spread over the pool) the retained gate mass is measured on (a ratio of sums).
+MASS_TOKENS = 16384
+#: Tokens the aux-free balancing steps route per update.
+BALANCE_POOL_TOKENS = 8192
+
+
+@dataclass
+class PlanArrays:
+    """Counts (layers, micro_batches, world, ...) int32 and the per-token statistics of the routing."""
+
+    assigned: np.ndarray
+    kept: np.ndarray
+    rank_tokens: np.ndarray
+    node_tokens: np.ndarray
+    retained_gate_mass: np.ndarray | None
+    mean_weight_sum: np.ndarray | None
+    sample_chosen: np.ndarray | None
+    balancing: list[float] | None
+
+
+class _Setup:
+    """What both paths share: shapes, popularity, per-distribution pools and balancing biases."""
+
+    def __init__(self, scenario: Scenario, policy: RoutingPolicy, pool_tokens: int):
+        self.policy = policy
+        self.r, self.model = scenario.routing, scenario.model
+        self.layout = ExpertLayout.of(scenario)
+        self.cols = FeatureColumns.of(self.layout)
+        self.layers = scenario.model.num_moe_layers
+        self.micro = scenario.training.grad_accum_steps
+        self.tokens = scenario.tokens_per_micro_batch
+        self.seq_len = scenario.training.seq_len
+        self.rho = self.r.sequence_correlation
+        self.mu = log_popularity(self.r, self.layers, self.model.num_experts)
+        self.group_of_layer = popularity_layer_groups(self.r, self.layers)
+        n_groups = int(self.group_of_layer.max()) + 1
+        self.pool_size = max(MIN_POOL_TOKENS, pool_tokens // n_groups)
+        self.types = min(MAX_TYPES, max(8, self.pool_size // 64)) if self.rho > 0 else 1
+        self.pool_size -= self.pool_size % self.types
+        self.first_layer = [int(np.flatnonzero(self.group_of_layer == g)[0]) for g in range(n_groups)]
+        self.bias: list[np.ndarray | None] = [None] * n_groups
+        self.balancing: list[float] | None = None
+        self.logits = [self._pool_logits(g) for g in range(n_groups)]
+        afb = self.r.aux_free_balancing
+        if afb.enabled:
+            for g, logits in enumerate(self.logits):
+                stride = max(1, len(logits) // BALANCE_POOL_TOKENS)  # a spread over every sequence type
+                scores = gate_scores(logits[::stride], self.model.score_function)
+                self.bias[g], history = aux_free_bias(scores, self.model.top_k, policy, afb.gamma, afb.steps)
+                if g == 0:
+                    self.balancing = history
+
+    def _pool_logits(self, g: int) -> np.ndarray:
+        rng = np.random.default_rng([self.r.seed, 12, g])
+        per_type = self.pool_size // self.types
+        latent = (
+            rng.standard_normal((self.types, self.model.num_experts), dtype=np.float32)
+            if self.rho > 0
+            else None
+        )
+        return sample_logits(rng, self.mu[self.first_layer[g]], self.pool_size, per_type, latent, self.rho)
+
+    def route_pool(self, g: int) -> RoutedTokens:
+        """Route distribution g's pool exactly (with its balancing bias)."""
+        return route_tokens(
+            self.logits[g], self.model, self.r.route_scale, self.policy, self.bias[g], MASS_TOKENS
+        )
+
+    def capacity(self) -> int | None:
+        if self.r.capacity_factor is None:
+            return None
+        return deepspeed_capacity(
+            self.tokens, self.model.num_experts, self.model.top_k, self.r.capacity_factor, self.r.min_capacity
+        )
+
+    def outputs(self) -> list[np.ndarray]:
+        """assigned, kept, rank_tokens, node_tokens arrays; without a capacity kept *is* assigned."""
+        lay = self.layout
+
+        def empty(width: int) -> np.ndarray:
+            return np.zeros((self.layers, self.micro, lay.world, width), dtype=np.int32)
+
+        assigned = empty(lay.num_experts)
+        kept = assigned if self.capacity() is None else empty(lay.num_experts)
+        return [assigned, kept, empty(lay.ep), empty(self.cols.max_slots)]
+
+
+def build_pooled(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = POOL_TOKENS) -> PlanArrays:
+    """Counts of every (layer, micro-batch, rank) drawn from exact pools (see module docstring)."""
+    st = _Setup(scenario, policy, pool_tokens)
+    lay, cols, k, s_tok = st.layout, st.cols, st.model.top_k, st.tokens
+    routed = [st.route_pool(g) for g in range(len(st.logits))]
+    features = [token_features(rt.chosen, lay, cols) for rt in routed]
+    moments = [pool_moments(f, st.types) for f in features]
+    max_nodes = [_max_nodes(f, cols) for f in features]
+    ranks = np.arange(lay.world)
+    pattern_of_cell = np.tile(cols.pattern_of_group[ranks // lay.ep], st.micro)
+    cells = st.micro * lay.world
+    seqs = scenario.training.micro_batch_size
+    noise_rng = np.random.default_rng([st.r.seed, 13])
+    type_rng = np.random.default_rng([st.r.seed, 17])
+    cap = st.capacity()
+    out = st.outputs()
+    for layer in range(st.layers):
+        g = int(st.group_of_layer[layer])
+        noise = noise_rng.standard_normal((cells, cols.width), dtype=np.float32)
+        type_counts = None
+        if st.types > 1:
+            draws = type_rng.integers(st.types, size=(cells, seqs))
+            type_counts = np.zeros((cells, st.types))
+            np.add.at(type_counts, (np.repeat(np.arange(cells), seqs), draws.ravel()), 1.0)
+        x = gaussian_features(moments[g], noise, s_tok, st.seq_len, type_counts)
+        counts = round_counts(x, lay, cols, pattern_of_cell, s_tok, k, max_nodes[g])
+        kept = counts if cap is None else cap_counts(*counts, lay, cols, pattern_of_cell, cap, k)
+        for arr, value in zip(out, (counts[0], *kept), strict=True):
+            arr[layer] = value.reshape(st.micro, lay.world, -1)
+    retained = np.array([routed[g].kept_mass / routed[g].topk_mass for g in st.group_of_layer])
+    weight_sum = np.array([routed[g].mean_weight_sum for g in st.group_of_layer])
+    return PlanArrays(*out, retained, weight_sum, routed[0].chosen, st.balancing)
+
+
+def _max_nodes(features: np.ndarray, cols: FeatureColumns) -> np.ndarray:
+    """Per node pattern, the most node slots any pool token reached."""
+    return np.array(
+        [
+            features[:, cols.node_offset(p) : cols.node_offset(p) + int(n)].sum(axis=1).max()
+            for p, n in enumerate(cols.slots)
+        ]
+    )
+
+
+def build_from_trace(scenario: Scenario, policy: RoutingPolicy) -> PlanArrays:
+    """Replay the last step of a router trace recorded by hw_validate (:mod:`sim.inputs.router_trace`)."""
+    r = scenario.routing
+    if policy.label != r.policy_string:
+        raise InputError(
+            f"generator: trace replays recorded choices of policy {r.policy_string}; it cannot apply "
+            f"{policy.label}",
+            field="--policy",
+        )
+    if r.aux_free_balancing.enabled:
+        raise InputError("has no effect with generator: trace", field="routing.aux_free_balancing.enabled")
+    assert r.trace is not None
+    path = scenario.resolve_path(r.trace)
+    trace = load_trace(path)
+    m = scenario.model
+    want = {
+        "num_experts": m.num_experts,
+        "top_k": m.top_k,
+        "ep": scenario.ep,
+        "world_size": scenario.world_size,
+        "moe_layers": m.num_moe_layers,
+        "tokens_per_micro_batch": scenario.tokens_per_micro_batch,
+    }
+    for key, value in want.items():
+        if getattr(trace, key) != value:
+            raise InputError(
+                f"trace has {key} = {getattr(trace, key)} but the scenario needs {value}",
+                file=str(path),
+                field=key,
+            )
+    micro = scenario.training.grad_accum_steps
+    if trace.micro_batches < micro:
+        raise InputError(
+            f"trace has {trace.micro_batches} micro-batches per step, the scenario {micro}",
+            file=str(path),
+            field="records",
+        )
+    layout = ExpertLayout.of(scenario)
+    cols = FeatureColumns.of(layout)
+    step = trace.num_steps - 1
+    assigned = trace.assigned[step, :micro].swapaxes(0, 1).astype(np.int32)
+    kept = trace.kept[step, :micro].swapaxes(0, 1).astype(np.int32)
+    rank_tokens, node_tokens = estimate_distinct(kept, layout, cols, scenario.tokens_per_micro_batch, m.top_k)
+    return PlanArrays(assigned, kept, rank_tokens, node_tokens, None, None, None, None)
+
+
+def estimate_distinct(
+    kept: np.ndarray, layout: ExpertLayout, cols: FeatureColumns, tokens: int, top_k: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct tokens per destination rank and node slot from copy counts alone (traces lack token
+    sets): a token misses a set receiving c of the tokens*k copies with probability (1 - c/(tokens*k))^k."""
+    lead = kept.shape[:-1]
+    ep, epr = layout.ep, layout.experts_per_rank
+    copies = kept.reshape(*lead, ep, epr).sum(axis=-1).astype(np.int64)
+
+    def distinct(c: np.ndarray, experts: np.ndarray | int) -> np.ndarray:
+        est = np.rint(tokens * (1.0 - (1.0 - c / (tokens * top_k)) ** top_k)).astype(np.int64)
+        return np.clip(est, -(-c // np.minimum(top_k, experts)), np.minimum(c, tokens))
+
+    rank_tokens = distinct(copies, epr)
+    node_tokens = np.zeros((*lead, cols.max_slots), dtype=np.int64)
+    pattern_of_rank = cols.pattern_of_group[np.arange(layout.world) // ep]
+    for p, slots in enumerate(cols.patterns):
+        sel = np.flatnonzero(pattern_of_rank == p)
+        n = int(slots.max()) + 1
+        starts = np.searchsorted(slots, np.arange(n))
+        slot_copies = np.add.reduceat(copies[..., sel, :], starts, axis=-1)
+        node_tokens[..., sel, :n] = distinct(slot_copies, np.diff(np.append(starts, ep)) * epr)
+    return rank_tokens.astype(np.int32), node_tokens.astype(np.int32)
+
+
+def build_exact(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = POOL_TOKENS) -> PlanArrays:
+    """Every token sampled, routed and capacity-dropped on its own rank, in DeepSpeed's order."""
+    st = _Setup(scenario, policy, pool_tokens)
+    lay, cols, k, s_tok, e = st.layout, st.cols, st.model.top_k, st.tokens, st.layout.num_experts
+    w = lay.world
+    cap = st.capacity()
+    order = drop_order(k, st.r.drop_policy)
+    out = st.outputs()
+    mass = np.zeros((st.layers, 3))
+    for layer in range(st.layers):
+        g = int(st.group_of_layer[layer])
+        for mb in range(st.micro):
+            rng = np.random.default_rng([st.r.seed, 14, layer, mb])
+            n_seq = w * scenario.training.micro_batch_size
+            latent = rng.standard_normal((n_seq, e), dtype=np.float32) if st.rho > 0 else None
+            logits = sample_logits(rng, st.mu[layer], w * s_tok, st.seq_len, latent, st.rho)
+            rt = route_tokens(logits, st.model, st.r.route_scale, policy, st.bias[g])
+            chosen = rt.chosen.reshape(w, s_tok, k)
+            if cap is None:
+                kept = np.ones(chosen.shape, dtype=bool)
+            else:
+                drop_rng = np.random.default_rng([st.r.seed, 15, layer, mb])
+                kept = keep_mask(chosen, rt.gate.reshape(w, s_tok, k), e, cap, order, drop_rng)
+            for arr, value in zip(out, aggregate_batches(chosen, kept, lay, cols), strict=True):
+                arr[layer, mb] = value
+            mass[layer] += (rt.kept_mass, rt.topk_mass, rt.mean_weight_sum / st.micro)
+    retained, weight_sum = mass[:, 0] / mass[:, 1], mass[:, 2]
+    return PlanArrays(*out, retained, weight_sum, st.route_pool(0).chosen, st.balancing)
+
+
+__all__ = [
+    "POOL_TOKENS",
+    "PlanArrays",
+    "build_exact",
+    "build_from_trace",
+    "build_pooled",
+    "estimate_distinct",
+]
