@@ -77,7 +77,7 @@ class StepResult:
 
     @property
     def spans(self) -> list:
-        """Per-rank spans (:class:`sim.engine.des.Span`) when ``trace_ranks`` was given, else []."""
+        """Per-rank spans (:class:`sim.engine.spans.Span`) when ``trace_ranks`` was given, else []."""
         return self.data.get("_spans", [])
 
 

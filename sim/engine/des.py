@@ -19,30 +19,23 @@ slow each other down (see :mod:`sim.network.comm` for what each comm model sees)
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import simpy
 
+from sim.engine.alltoall import AllToAllRendezvous
+from sim.engine.comm_stream import CommStream
+from sim.engine.spans import Span
 from sim.frameworks.ops import AllToAll, CapacitySync, Compute, Gather, GradReady, Schedule, WaitGather
 from sim.hardware.cluster import Cluster
 from sim.host.cpu_ranks import WAKE_KERNEL
 from sim.inputs.scenario import Scenario
-from sim.network.comm import Comm, event_at, fire_at, group_node_bytes
+from sim.network.comm import Comm
 from sim.routing.plan import RoutingPlan
 
 #: Breakdown categories of the compute stream; on every rank they tile [0, rank's end].
 STREAM_KEYS = ("compute", "a2a", "imbalance_wait", "exposed_comm", "optimizer")
-
-
-@dataclass
-class Span:
-    rank: int
-    stream: str  # compute | comm
-    name: str
-    start: float
-    end: float
-    args: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -62,7 +55,9 @@ class EngineResult:
     waited_on: dict[int, int]  # rank -> rank it most often waited for at all-to-all barriers
 
 
-class Engine:
+class Engine(AllToAllRendezvous, CommStream):
+    """Compute and comm streams of every rank (see the module docstring)."""
+
     def __init__(self, s: Scenario, sched: Schedule, plan: RoutingPlan | None, cluster: Cluster,
                  comm_model: str, trace_ranks: set[int] | None = None, per_rank: bool = False):  # fmt: skip
         self.s, self.sched, self.plan, self.cluster = s, sched, plan, cluster
@@ -114,221 +109,6 @@ class Engine:
                 self._total_arr[i_op] = tot
         bpe = sched.grad_bytes_per_param
         self.bucket_bytes = s.collectives.reduce_bucket_elements * bpe
-
-    # ---- all-to-all ---------------------------------------------------------------------------
-    def _block_bytes(self, op: AllToAll) -> list[tuple[np.ndarray, np.ndarray | None]]:
-        key = (op.moe, op.micro)
-        if key not in self._blocks:
-            assert self.plan is not None
-            d, bpe = self.s.model.hidden_size, self.sched.grad_bytes_per_param
-            pair = self.plan.dispatch_bytes(op.moe, op.micro, d, bpe).astype(np.float64)
-            hier = self.s.collectives.all_to_all == "hierarchical" and self.plan.padded is None
-            node_m = self.plan.dispatch_node_tokens(op.moe, op.micro) * float(d * bpe) if hier else None
-            out = []
-            e = self.ep
-            for k, g in enumerate(self.groups):
-                nb = group_node_bytes(self.cluster, g, node_m) if node_m is not None else None
-                out.append((pair[k * e : (k + 1) * e, k * e : (k + 1) * e], nb))  # EP groups are contiguous
-            self._blocks[key] = out
-            if node_m is None:  # per-rank sent / inter-node bytes of both directions, all groups at once
-                off = pair.copy()
-                np.fill_diagonal(off, 0.0)
-                cross = off * self._cross
-                self._sent_cache[key] = {
-                    "dispatch": (off.sum(axis=1), cross.sum(axis=1)),
-                    "combine": (off.sum(axis=0), cross.sum(axis=0)),
-                }
-        return self._blocks[key]
-
-    def _account_a2a(self, g: list[int], pair: np.ndarray, nb: np.ndarray | None, direction: str) -> None:
-        idx = np.asarray(g)
-        node = idx // self.cluster.gpus_per_node
-        off = pair.copy()
-        np.fill_diagonal(off, 0.0)
-        cross = node[:, None] != node[None, :]
-        if direction == "combine":
-            off, cross = off.T, cross.T
-        self.sent[idx] += off.sum(axis=1)
-        if nb is not None:
-            nodes = np.unique(node)
-            remote = nodes[None, :] != node[:, None]
-            inter = (nb * remote).sum(axis=1)
-            if direction == "combine":  # the node bytes come back from each destination node's relay
-                inter = np.zeros(len(idx))
-                recv = (nb * remote).sum(axis=0)
-                for j, n in enumerate(nodes):
-                    first = np.flatnonzero(node == n)
-                    inter[first] += recv[j] / len(first)
-            self.inter[idx] += inter
-        else:
-            self.inter[idx] += (off * cross).sum(axis=1)
-
-    def _flush(self, op_idx: int, op: AllToAll, when: float) -> None:
-        gids = self._pending.pop((op_idx, when))
-        blocks = self._block_bytes(op)
-        groups = [self.groups[g] for g in gids]
-        algo = self.s.collectives.all_to_all
-        cached = self._sent_cache.get((op.moe, op.micro))
-        for gid in gids:
-            pair, nb = blocks[gid]
-            if cached is not None:
-                sent, inter = cached[op.direction]
-                lo, hi = gid * self.ep, (gid + 1) * self.ep
-                self.sent[lo:hi] += sent[lo:hi]
-                self.inter[lo:hi] += inter[lo:hi]
-            else:
-                self._account_a2a(self.groups[gid], pair, nb, op.direction)
-        if self.comm.model == "ps" and algo == "direct":
-            done = self.comm.direct_a2a(tuple(gids), groups, [blocks[g][0] for g in gids], op.direction)
-        else:
-            dags = [self.comm.a2a_dag(self.groups[g], blocks[g][0], algo, blocks[g][1], op.direction) for g in gids]
-            done = self.comm.run(groups, dags)
-        for gid in gids:
-            self._launched[(op_idx, gid)] = self.env.now
-            gev = self._group_waiters.pop((op_idx, gid), None)
-            if gev is not None:
-                gev.succeed(np.array([done[r] for r in self.groups[gid]], dtype=np.float64))
-                continue
-            for r, ev in self._waiters.pop((op_idx, gid)):
-                x = done[r]
-                if isinstance(x, float):
-                    fire_at(self.env, ev, x)
-                else:
-                    x.callbacks.append(lambda _e, ev=ev: ev.succeed())
-
-    def _arrive_group(self, op_idx: int, op: AllToAll, gid: int, t: np.ndarray) -> simpy.Event:
-        """EP group ``gid`` (vectorised clocks ``t``) reaches all-to-all ``op_idx``; the event fires at
-        the launch with the array of its ranks' seconds until their parts are done."""
-        when = float(t.max())
-        ev = self.env.event()
-        if self.wait_on is not None:
-            self.wait_on[self.groups[gid], gid * self.ep + int(np.argmax(t))] += 1
-        self._group_waiters[(op_idx, gid)] = ev
-        pkey = (op_idx, when)
-        first = pkey not in self._pending
-        self._pending.setdefault(pkey, []).append(gid)
-        if first:
-            self.env.timeout(when - self.env.now).callbacks.append(lambda _e: self._flush(op_idx, op, when))
-        return ev
-
-    def _arrive_a2a(self, op_idx: int, op: AllToAll, rank: int, t: float) -> simpy.Event:
-        """Rank ``rank`` reaches all-to-all ``op_idx`` at time ``t`` (>= now); the event fires when
-        its part is done. The group launches at its last member's arrival."""
-        gid = rank // self.ep
-        key = (op_idx, gid)
-        ev = self.env.event()
-        slot = self._arrive.get(key)
-        if slot is None:
-            slot = self._arrive[key] = [0, t, rank]
-            self._waiters[key] = []
-        slot[0] += 1
-        if t > slot[1]:
-            slot[1], slot[2] = t, rank
-        self._waiters[key].append((rank, ev))
-        if slot[0] == self.ep:
-            del self._arrive[key]
-            when, last = slot[1], slot[2]
-            if self.wait_on is not None:
-                self.wait_on[self.groups[gid], last] += 1
-            pkey = (op_idx, when)
-            first = pkey not in self._pending
-            self._pending.setdefault(pkey, []).append(gid)
-            if first:
-                self.env.timeout(when - self.env.now).callbacks.append(
-                    lambda _e: self._flush(op_idx, op, when)
-                )
-        return ev
-
-    # ---- comm stream ------------------------------------------------------------------------
-    def _enqueue(self, rank: int, item: tuple) -> simpy.Event:
-        ev = self.env.event()
-        self.queues[rank].put((item, ev))
-        self.comm_idle[rank] = ev
-        return ev
-
-    def _comm_proc(self, rank: int):
-        arrivals: dict[tuple, list] = self._comm_arrivals
-        while True:
-            (kind, key, group, nbytes, name), ev = yield self.queues[rank].get()
-            slot = arrivals.setdefault(key, [0, self.env.event()])
-            slot[0] += 1
-            if slot[0] == len(group):
-                del arrivals[key]
-                slot[1].succeed(self.comm.reduction(kind, group, nbytes, self._ring_algo))
-            t0 = self.env.now
-            done = yield slot[1]
-            yield done[rank]
-            self.grad_sync[rank] += self.env.now - t0
-            if rank in self.trace:
-                self.spans.append(Span(rank, "comm", name, t0, self.env.now, {"bytes": nbytes, "kind": kind}))
-            ev.succeed()
-
-    def _grads(self, rank: int, op: GradReady, acc: list[float], seq: list[int]) -> list[simpy.Event]:
-        out = []
-        s, bpe = self, self.sched.grad_bytes_per_param
-        kind = self.sched.grad_kind
-        acc[0] += op.nonexpert * bpe
-        acc[1] += op.expert * bpe
-        for which, group, size in (
-            (0, self.dp_group, s.dp),
-            (1, self.edp_groups[rank % s.ep], s.edp),
-        ):
-            if size <= 1:
-                acc[which] = 0.0
-                continue
-            if acc[which] >= self.bucket_bytes or (op.flush and acc[which] > 0):
-                seq[which] += 1
-                gid = 0 if which == 0 else rank % s.ep
-                key = ("grad", which, gid, seq[which])
-                out.append(self._enqueue(rank, (kind, key, group, acc[which], "grad_sync")))
-                acc[which] = 0.0
-        return out
-
-    def _over_dp_edp(self, rank: int, kind: str, key: tuple, ne_bytes: float, ex_bytes: float,
-                     name: str) -> simpy.Event | None:  # fmt: skip
-        """``kind`` over the data-parallel group (``ne_bytes``) and ``rank``'s expert-data-parallel
-        group (``ex_bytes``), where the group has peers and there are bytes; the last event or None."""
-        ev = None
-        if self.dp > 1 and ne_bytes:
-            ev = self._enqueue(rank, (kind, key + ("ne",), self.dp_group, ne_bytes, name))
-        if self.edp > 1 and ex_bytes:
-            group = self.edp_groups[rank % self.ep]
-            ev = self._enqueue(rank, (kind, key + ("ex", rank % self.ep), group, ex_bytes, name))
-        return ev
-
-    def _gather(self, rank: int, key: tuple, nonexpert: int, expert: int) -> simpy.Event:
-        bpe = self.sched.param_bytes_per_param
-        ev = self._over_dp_edp(rank, "all_gather", key, nonexpert * bpe, expert * bpe, "param_gather")
-        return ev if ev is not None else event_at(self.env, 0.0)
-
-    def _capacity_sync(self, idx: int, op: CapacitySync, rank: int) -> simpy.Event:
-        """The drop-free gate's capacity all-reduce over ``rank``'s EP group, on the comm stream."""
-        group = self.groups[rank // self.ep]
-        return self._enqueue(rank, ("all_reduce", ("capacity", idx, rank // self.ep), group, op.nbytes,
-                                    "capacity_sync"))  # fmt: skip
-
-    def _grad_norm(self, rank: int):
-        """ZeRO's gradient norm (sim.frameworks.deepspeed.Tail.norm_s): per parameter group the rank's partial
-        norm, then an fp32 all-reduce over the data-parallel group; then the expert group's over
-        its expert-data-parallel group. The partial norms count as the optimizer's compute."""
-        env, key, tail = self.env, self.key, self.sched.tail
-        for g, part in enumerate(tail.norm_s):
-            t0 = env.now
-            if part[rank] > 0:
-                yield env.timeout(float(part[rank]))
-                key["optimizer"][rank] += env.now - t0
-                self._span(rank, "optimizer", t0, env.now, part="grad_norm")
-            calls = [(("grad_norm", g), 4.0, 0.0)]
-            if g == len(tail.norm_s) - 1 and g > 0:  # the expert group: DeepSpeed's _average_expert_grad_norms
-                calls.append((("grad_norm", "ex"), 0.0, 4.0))
-            for call_key, ne_bytes, ex_bytes in calls:  # one after the other, as DeepSpeed calls them
-                ev = self._over_dp_edp(rank, "all_reduce", call_key, ne_bytes, ex_bytes, "grad_norm")
-                if ev is not None:
-                    t0 = env.now
-                    yield ev
-                    key["exposed_comm"][rank] += env.now - t0
-                    self._span(rank, "grad_norm_wait", t0, env.now)
-                    yield from self._late(rank, tail.call_overhead_s)
 
     # ---- compute stream -----------------------------------------------------------------------
     def _span(self, rank: int, name: str, start: float, end: float, **args) -> None:
