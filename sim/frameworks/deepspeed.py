@@ -164,7 +164,7 @@ def build_schedule(
                 if i > 0:
                     b.ops.append(Gather(bkeys[i - 1], ne[i - 1], ex[i - 1]))
                 b.ops.append(WaitGather(bkeys[i]))
-            if t.activation_checkpointing:
+            if t.recompute:
                 b.layer_forward(i, moe_index[i], micro, "recompute")
             b.layer_backward(i, moe_index[i], micro)
             if reduce_now:

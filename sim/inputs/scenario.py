@@ -3,8 +3,10 @@
 A scenario is one YAML file with the sections ``cluster``, ``model``, ``parallelism``, ``training``,
 ``routing``, ``collectives``, ``calibration`` and ``faults``. Unknown keys, wrong types and
 impossible layouts are :class:`~sim.errors.InputError` (exit 2) naming the file and field.
-Layout follows DeepSpeed: world = dp (data parallel); expert parallel groups of ``ep`` contiguous
-ranks are carved out of it, and expert gradients are reduced over ``edp = dp / ep`` strided ranks.
+Layout follows Megatron-Core (:class:`~sim.inputs.layout.Layout`): world = tp x cp x pp x dp, tp
+fastest; the expert layers fold etp x ep x edp over a stage's tp x cp x dp ranks. With tp = cp = pp
+= 1 it is DeepSpeed's: expert parallel groups of ``ep`` contiguous ranks, expert gradients reduced
+over ``edp = dp / ep`` strided ranks.
 
 The section models live in :mod:`sim.inputs.sections` and :mod:`sim.inputs.faults`; this
 module re-exports them, so ``from sim.inputs.scenario import ModelConfig`` keeps working.
@@ -21,6 +23,7 @@ from pydantic import BaseModel, Field, PrivateAttr, field_validator
 
 from sim.errors import InputError, did_you_mean
 from sim.inputs.faults import FaultsConfig
+from sim.inputs.layout import Layout
 from sim.inputs.sections import (
     _STRICT,
     POLICIES,
@@ -86,7 +89,8 @@ class Scenario(StrictModel):
 
     @property
     def dp(self) -> int:
-        return self.parallelism.dp or self.world_size
+        p = self.parallelism
+        return p.dp or self.world_size // (p.tp * p.cp * p.pp)
 
     @property
     def ep(self) -> int:
@@ -94,8 +98,19 @@ class Scenario(StrictModel):
 
     @property
     def edp(self) -> int:
-        """Expert-data-parallel size: replicas of each expert (DeepSpeed's expert_data_parallel group)."""
-        return self.dp // self.ep
+        """Expert-data-parallel size: replicas of each expert within a stage (etp x ep x edp = tp x cp x dp)."""
+        p = self.parallelism
+        return p.tp * p.cp * self.dp // (self.ep * p.etp)
+
+    @property
+    def layout(self) -> Layout:
+        p = self.parallelism
+        return Layout(tp=p.tp, cp=p.cp, pp=p.pp, vpp=p.vpp, dp=self.dp, ep=p.ep, etp=p.etp)
+
+    @property
+    def sequence_parallel(self) -> bool:
+        p = self.parallelism
+        return p.tp > 1 if p.sequence_parallel is None else p.sequence_parallel
 
     @property
     def experts_per_rank(self) -> int:
@@ -114,16 +129,20 @@ class Scenario(StrictModel):
         return rank // self.gpus_per_node
 
     def ep_group_of(self, rank: int) -> list[int]:
-        """DeepSpeed's EP group containing ``rank``: ``ep`` contiguous ranks."""
-        start = (rank // self.ep) * self.ep
-        return list(range(start, start + self.ep))
+        """The EP group containing ``rank`` (``ep`` contiguous ranks when etp = 1)."""
+        return self.layout.group_of("ep", rank)
 
     def ep_groups(self) -> list[list[int]]:
-        return [list(range(s, s + self.ep)) for s in range(0, self.world_size, self.ep)]
+        """Every EP group of every stage."""
+        if self.parallelism.etp == 1:
+            return [list(range(s, s + self.ep)) for s in range(0, self.world_size, self.ep)]
+        return self.layout.groups("ep")
 
     def edp_groups(self) -> list[list[int]]:
-        """DeepSpeed's expert-data-parallel groups: ranks with the same index in every EP group (strided)."""
-        return [list(range(i, self.world_size, self.ep)) for i in range(self.ep)]
+        """Expert-data-parallel groups: ranks holding the same experts (strided by ep x etp in a stage)."""
+        if self.layout.world == self.layout.stage_size and self.parallelism.etp == 1:
+            return [list(range(i, self.world_size, self.ep)) for i in range(self.ep)]
+        return self.layout.groups("edp")
 
     def resolve_path(self, p: str) -> Path:
         """A path from the scenario, relative to the scenario file's folder."""
@@ -141,22 +160,33 @@ class Scenario(StrictModel):
             )
         self._check_files()
         world = self.world_size
-        if self.parallelism.dp is not None and self.parallelism.dp != world:
+        p = self.parallelism
+        model_par = p.tp * p.cp * p.pp
+        where = f"the world size {world} = {self.cluster.nodes} nodes x {self.gpus_per_node} GPUs"
+        if world % model_par:
             raise InputError(
-                f"dp ({self.parallelism.dp}) x tp (1) x pp (1) must equal the world size "
-                f"{world} = {self.cluster.nodes} nodes x {self.gpus_per_node} GPUs; omit dp to derive it",
+                f"tp x cp x pp = {p.tp} x {p.cp} x {p.pp} = {model_par} must divide {where}",
+                field="parallelism.pp" if p.pp > 1 else "parallelism.tp" if p.tp > 1 else "parallelism.cp",
+            )
+        if p.dp is not None and p.dp * model_par != world:
+            raise InputError(
+                f"tp x cp x pp x dp = {p.tp} x {p.cp} x {p.pp} x {p.dp} = {model_par * p.dp} must equal {where}; "
+                "omit dp to derive it",
                 field="parallelism.dp",
             )
+        self._check_model_split()
         ep, experts = self.ep, self.model.num_experts
+        stage = p.tp * p.cp * self.dp
         if experts % ep:
             raise InputError(
                 f"ep ({ep}) must divide model.num_experts ({experts}); "
-                f"choose ep in {_divisors(experts, world)}",
+                f"choose ep in {_divisors(experts, stage // p.etp)}",
                 field="parallelism.ep",
             )
-        if world % ep:
+        if stage % (ep * p.etp):
             raise InputError(
-                f"ep ({ep}) must divide the world size ({world}); choose ep in {_divisors(experts, world)}",
+                f"ep x etp = {ep} x {p.etp} must divide the {stage} ranks of a pipeline stage (tp x cp x dp); "
+                f"choose ep in {_divisors(experts, stage // p.etp)}",
                 field="parallelism.ep",
             )
         r = self.routing
@@ -189,6 +219,52 @@ class Scenario(StrictModel):
             raise InputError(
                 "every layer is dense: first_dense_layers == num_layers", field="model.first_dense_layers"
             )
+
+    def _check_model_split(self) -> None:
+        """Heads split over tp, the sequence over cp (and tp with sequence parallelism), layers over
+        the pipeline's stages and chunks."""
+        p, m, t = self.parallelism, self.model, self.training
+        if m.num_attention_heads % p.tp:
+            raise InputError(
+                f"tp ({p.tp}) must divide model.num_attention_heads ({m.num_attention_heads})",
+                field="parallelism.tp",
+            )
+        if m.attention == "mha" and m.kv_heads % p.tp:
+            raise InputError(
+                f"tp ({p.tp}) must divide the key/value heads ({m.kv_heads}), as Megatron-Core requires "
+                "(num_query_groups % tp == 0)",
+                field="parallelism.tp",
+            )
+        split = p.cp * (2 if p.cp > 1 else 1) * (p.tp if self.sequence_parallel else 1)
+        if t.seq_len % split:
+            raise InputError(
+                f"training.seq_len ({t.seq_len}) must be a multiple of {split} "
+                f"({'2 x cp' if p.cp > 1 else ''}{' x ' if p.cp > 1 and self.sequence_parallel else ''}"
+                f"{'tp with sequence parallelism' if self.sequence_parallel else ''})",
+                field="training.seq_len",
+            )
+        if p.pp == 1:
+            if p.first_stage_layers is not None or p.last_stage_layers is not None:
+                raise InputError("first/last_stage_layers need pp > 1", field="parallelism.pp")
+            return
+        from sim.inputs.stages import stage_layers
+
+        stage_layers(self)  # raises with the field when the layers do not fit the stages
+        m_count = t.grad_accum_steps
+        if p.schedule == "interleaved" and m_count % p.pp:
+            raise InputError(
+                f"the interleaved schedule needs grad_accum_steps (micro-batches per step, {m_count}) to be a "
+                f"multiple of pp ({p.pp})",
+                field="training.grad_accum_steps",
+            )
+        if p.schedule == "dualpipe":
+            if p.pp % 2:
+                raise InputError(f"dualpipe needs an even pp, got {p.pp}", field="parallelism.pp")
+            if m_count < 2 * p.pp:
+                raise InputError(
+                    f"dualpipe needs at least 2 pp = {2 * p.pp} micro-batches per step, got {m_count}",
+                    field="training.grad_accum_steps",
+                )
 
     def _check_files(self) -> None:
         """Files the scenario names (calibration, router trace) exist; their content is read by

@@ -9,9 +9,9 @@ topology or more than one section live on :class:`sim.inputs.scenario.Scenario`.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from sim.inputs.yamlio import StrictModel, field_error
 
@@ -173,19 +173,60 @@ class ModelConfig(StrictModel):
 
 
 class ParallelismConfig(StrictModel):
-    """DeepSpeed-style data + expert parallelism with ZeRO."""
+    """Megatron-Core's 5-D layout (world = tp x cp x pp x dp; the expert layers fold etp x ep x edp
+    over the tp x cp x dp ranks of a stage) and the data-parallel sharding (ZeRO stage)."""
 
     model_config = _STRICT
+    tp: int = Field(default=1, ge=1, le=1_000_000, description="tensor-parallel size (attention and dense GEMMs)")
+    cp: int = Field(default=1, ge=1, le=1_000_000, description="context-parallel size (sequence split, ring attention)")
+    pp: int = Field(default=1, ge=1, le=1_000_000, description="pipeline-parallel stages")
+    vpp: int = Field(default=1, ge=1, le=1_000, description="virtual pipeline chunks per stage (interleaved 1F1B)")
     dp: int | None = Field(
         default=None,
         ge=1,
         le=1_000_000_000,
-        description="data-parallel size; derived (= world size) when omitted",
+        description="data-parallel size; derived (= world / (tp cp pp)) when omitted",
     )
     ep: int = Field(
-        default=1, ge=1, le=1_000_000_000, description="expert-parallel group size (contiguous ranks)"
+        default=1, ge=1, le=1_000_000_000, description="expert-parallel group size (contiguous ranks of a stage)"
     )
-    zero_stage: Literal[0, 1, 2, 3] = 2
+    etp: int = Field(default=1, ge=1, le=1_000_000, description="expert tensor-parallel size (expert GEMMs split)")
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        default=2, description="DeepSpeed ZeRO stage; megatron shards the optimizer (1), fsdp2 everything (3)"
+    )
+    pp_schedule: Literal["1f1b", "interleaved", "dualpipe"] | None = Field(
+        default=None, description="pipeline schedule; default interleaved when vpp > 1, else 1f1b"
+    )
+    sequence_parallel: bool | None = Field(
+        default=None, description="Megatron sequence parallelism with tp > 1 (default: on when tp > 1)"
+    )
+    first_stage_layers: int | None = Field(
+        default=None, ge=0, le=100_000, description="layers on the first pipeline stage (num_layers_in_first_pipeline_stage)"
+    )
+    last_stage_layers: int | None = Field(
+        default=None, ge=0, le=100_000, description="layers on the last pipeline stage (num_layers_in_last_pipeline_stage)"
+    )
+    embedding_as_layer: bool = Field(
+        default=False, description="count the embedding as a layer when splitting stages (account_for_embedding_in_pipeline_split)"
+    )
+    loss_as_layer: bool = Field(
+        default=False, description="count the LM head and loss as a layer when splitting stages (account_for_loss_in_pipeline_split)"
+    )
+
+    @property
+    def schedule(self) -> str:
+        """The pipeline schedule in effect."""
+        return self.pp_schedule or ("interleaved" if self.vpp > 1 else "1f1b")
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelismConfig:
+        if self.vpp > 1 and self.pp == 1:
+            raise field_error("vpp", f"vpp ({self.vpp}) needs pipeline stages: pp > 1")
+        if self.pp_schedule == "interleaved" and self.vpp == 1:
+            raise field_error("pp_schedule", "interleaved needs vpp > 1 virtual chunks per stage")
+        if self.sequence_parallel and self.tp == 1:
+            raise field_error("sequence_parallel", "sequence_parallel needs tp > 1")
+        return self
 
 
 class AuxFreeBalancing(StrictModel):
@@ -215,15 +256,43 @@ class TrainingConfig(StrictModel):
         le=10**15,
         description="sequences per step; checked = micro x accum x dp when given",
     )
-    dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    dtype: Literal["bf16", "fp16", "fp32", "fp8", "mxfp8"] = Field(
+        default="bf16",
+        description="GEMM precision; fp8 (per-tensor/blockwise) and mxfp8 keep bf16 weights, activations "
+        "and gradients and fp32 master weights and optimizer states",
+    )
+    framework: Literal["deepspeed", "megatron", "fsdp2"] = Field(
+        default="deepspeed",
+        description="what runs the step: DeepSpeed ZeRO, Megatron-Core (distributed optimizer) or FSDP2",
+    )
     optimizer: Literal["adam", "sgd"] = "adam"
     offload_optimizer: Literal["none", "cpu"] = "none"
-    activation_checkpointing: bool = False
+    activation_checkpointing: Literal["full", "selective", "none"] = Field(
+        default="none",
+        description="recompute in backward: full (each layer's forward), selective (norms and expert "
+        "activations, Megatron's recompute_modules layernorm + moe_act) or none; true/false = full/none",
+    )
+    reshard_after_forward: bool = Field(
+        default=True, description="fsdp2: free gathered parameters after forward, gather again for backward"
+    )
+    grad_reduce_dtype: Literal["bf16", "fp32"] | None = Field(
+        default=None, description="dtype of gradient reductions (default: the parameters' dtype)"
+    )
     steps: int = Field(default=10, ge=1, le=10_000_000, description="steps a real run takes (hw_validate)")
     warmup_steps: int = Field(
         default=2, ge=0, le=10_000_000, description="steps excluded from measurement (hw_validate)"
     )
     lr: float = Field(default=1e-3, gt=0, le=1000)
+
+    @field_validator("activation_checkpointing", mode="before")
+    @classmethod
+    def _recompute_bool(cls, v: Any) -> Any:
+        return {True: "full", False: "none"}.get(v, v) if isinstance(v, bool) else v
+
+    @property
+    def recompute(self) -> bool:
+        """Whether backward recomputes anything (full or selective checkpointing)."""
+        return self.activation_checkpointing != "none"
 
 
 class RoutingConfig(StrictModel):
@@ -236,7 +305,17 @@ class RoutingConfig(StrictModel):
     max_groups: int | None = Field(
         default=None, ge=1, le=1_000_000_000, description="M: groups (nodes/devices) a token may use"
     )
-    generator: Literal["uniform", "skewed", "trace"] = "uniform"
+    generator: Literal["uniform", "skewed", "trace", "balanced"] = Field(
+        default="uniform",
+        description="gate scores: uniform, skewed popularity, a recorded trace, or balanced (every expert "
+        "gets exactly its share, as forced-balance benchmarks run)",
+    )
+    balanced_pattern: Literal["spread", "contiguous"] = Field(
+        default="spread",
+        description="generator balanced: spread (each token's k experts spread evenly over the experts, "
+        "Megatron's force_load_balancing) or contiguous (token i -> experts k i .. k i + k - 1 modulo E, "
+        "AutoModel's fake balanced gate)",
+    )
     skew: float = Field(default=0.0, ge=0, le=100, description="expert-popularity skew; 0 = uniform")
     drift: float = Field(default=0.0, ge=0, le=1, description="popularity change from layer to layer (0..1)")
     sequence_correlation: float = Field(
@@ -281,7 +360,20 @@ class CollectivesConfig(StrictModel):
     """Collective algorithms and gradient bucketing."""
 
     model_config = _STRICT
-    all_to_all: Literal["direct", "hierarchical"] = "direct"
+    all_to_all: Literal["direct", "hierarchical", "deepep", "hybridep"] = Field(
+        default="direct",
+        description="dispatcher: direct (NCCL all-to-all), hierarchical (NVLink forwarding), deepep or "
+        "hybridep (RDMA to the same-index GPU of each node, NVLink forwarding, SMs taken from compute)",
+    )
+    a2a_overlap: bool = Field(
+        default=False,
+        description="hide one micro-batch's all-to-all behind another's compute (Megatron's "
+        "overlap_moe_expert_parallel_comm, DeepSeek's DualPipe)",
+    )
+    dispatcher_sms: int | None = Field(
+        default=None, ge=1, le=1024, description="SMs the deepep/hybridep kernels occupy (default: the library's)"
+    )
+    tp_comm_overlap: bool = Field(default=False, description="overlap TP all-gather/reduce-scatter with GEMMs")
     all_reduce: Literal["ring", "tree"] = "ring"
     reduce_bucket_elements: int = Field(
         default=500_000_000, ge=1, le=10**13, description="DeepSpeed reduce_bucket_size"

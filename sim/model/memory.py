@@ -180,7 +180,7 @@ def activation_bytes(s: Scenario) -> int:
     ]
     per_layer += [per_layer[-1]] * m.mtp_layers
     logits = tokens * m.vocab_size * FP32_BYTES * (1 + m.mtp_layers)
-    if t.activation_checkpointing:
+    if t.recompute:
         return len(per_layer) * tokens * m.hidden_size * act + max(per_layer) + logits
     return sum(per_layer) + logits
 

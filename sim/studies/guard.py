@@ -127,7 +127,7 @@ def shape_of(s) -> Shape:
         capped=r.capacity_factor is not None,
         a2a=s.collectives.all_to_all,
         zero_stage=s.parallelism.zero_stage,
-        recompute=t.activation_checkpointing,
+        recompute=t.recompute,
         buckets=max(buckets, 1),
         faults=bool(f.links or f.stragglers or (f.jitter is not None and f.jitter.kernel_cv > 0)),
         pool_tokens=max(POOL_TOKENS, (m.num_moe_layers if drift else 1) * 4096),

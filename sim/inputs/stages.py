@@ -1,0 +1,116 @@
+"""Layers of each pipeline stage, as Megatron-Core splits them (``get_num_layers_to_build``).
+
+A model of L transformer layers runs on ``pp`` pipeline ranks with ``vpp`` chunks each, i.e. ``pp x
+vpp`` virtual stages; virtual stage ``v = chunk x pp + rank`` holds consecutive layers, in order of
+``v``. Without uneven settings every virtual stage holds ``L / (pp vpp)`` layers (an error unless it
+divides). ``embedding_as_layer`` / ``loss_as_layer`` count the embedding and the LM head + loss as a
+layer each in that split (``account_for_*_in_pipeline_split``); ``first_stage_layers`` /
+``last_stage_layers`` fix the layers of pipeline rank 0 and pp-1 (split over their vpp chunks) and
+spread the rest evenly over the middle ranks. The embedding is on virtual stage 0, the LM head,
+loss and MTP modules on the last. DualPipe (``pp_schedule: dualpipe``) splits the model into 2 pp
+virtual stages; rank r holds stage r and stage 2 pp - 1 - r.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from sim.errors import InputError
+
+
+@dataclass(frozen=True)
+class VirtualStage:
+    """One model chunk: its index in model order, the pipeline rank and chunk that run it, its layers."""
+
+    index: int
+    rank: int
+    chunk: int
+    layers: tuple[int, ...]
+    embedding: bool = False
+    head: bool = False  # LM head and loss (and the MTP modules)
+    extra: dict = field(default_factory=dict, compare=False)
+
+
+def chunks_per_rank(s) -> int:
+    p = s.parallelism
+    return 2 if p.schedule == "dualpipe" else p.vpp
+
+
+def _even(units: int, parts: int, field_name: str, what: str) -> int:
+    if parts <= 0 or units % parts:
+        raise InputError(f"{what}: {units} units do not split evenly over {parts} virtual stages", field=field_name)
+    return units // parts
+
+
+def stage_layers(s) -> list[VirtualStage]:
+    """The virtual stages of scenario ``s`` in model order (``len = pp x chunks``)."""
+    p, layers = s.parallelism, s.model.num_layers
+    vpp = chunks_per_rank(s)
+    n_virtual = p.pp * vpp
+    dualpipe = p.schedule == "dualpipe"
+
+    def owner(v: int) -> tuple[int, int]:
+        if dualpipe:
+            return (v, 0) if v < p.pp else (2 * p.pp - 1 - v, 1)
+        return v % p.pp, v // p.pp
+
+    counts: list[int]
+    if p.first_stage_layers is None and p.last_stage_layers is None:
+        units = layers + int(p.embedding_as_layer) + int(p.loss_as_layer)
+        what = f"{layers} layers" + (" + embedding" if p.embedding_as_layer else "") + (
+            " + loss" if p.loss_as_layer else "")  # fmt: skip
+        per = _even(units, n_virtual, "model.num_layers", what)
+        counts = [per] * n_virtual
+        if p.embedding_as_layer:
+            counts[0] -= 1
+        if p.loss_as_layer:
+            counts[-1] -= 1
+        if min(counts) < 0:
+            raise InputError(f"{what} leave a virtual stage with fewer than 0 layers", field="model.num_layers")
+    else:
+        if dualpipe:
+            raise InputError("first/last_stage_layers are not supported with dualpipe", field="parallelism.pp_schedule")
+        first = p.first_stage_layers
+        last = p.last_stage_layers
+        middle_ranks = p.pp - (first is not None) - (last is not None)
+        rest = layers - (first or 0) - (last or 0)
+        if rest < 0:
+            raise InputError(
+                f"first_stage_layers + last_stage_layers ({(first or 0) + (last or 0)}) exceed num_layers ({layers})",
+                field="parallelism.first_stage_layers",
+            )
+        if middle_ranks == 0 and rest:
+            raise InputError(f"{rest} layers are left for no middle stage", field="parallelism.first_stage_layers")
+        per_rank = [0] * p.pp
+        for r in range(p.pp):
+            if r == 0 and first is not None:
+                per_rank[r] = first
+            elif r == p.pp - 1 and last is not None:
+                per_rank[r] = last
+            else:
+                per_rank[r] = _even(rest, middle_ranks, "model.num_layers", f"{rest} middle layers")
+        counts = [0] * n_virtual
+        for r, n in enumerate(per_rank):
+            field_name = "parallelism.first_stage_layers" if r == 0 else "parallelism.last_stage_layers"
+            per_chunk = _even(n, vpp, field_name if r in (0, p.pp - 1) else "model.num_layers", f"stage {r}'s {n} layers")
+            for c in range(vpp):
+                counts[c * p.pp + r] = per_chunk
+    out, at = [], 0
+    for v, n in enumerate(counts):
+        rank, chunk = owner(v)
+        out.append(VirtualStage(v, rank, chunk, tuple(range(at, at + n)), embedding=v == 0, head=v == n_virtual - 1))
+        at += n
+    return out
+
+
+def rank_chunks(s) -> list[list[VirtualStage]]:
+    """Per pipeline rank, its virtual stages in chunk order."""
+    by_rank: list[list[VirtualStage]] = [[] for _ in range(s.parallelism.pp)]
+    for vs in stage_layers(s):
+        by_rank[vs.rank].append(vs)
+    for lst in by_rank:
+        lst.sort(key=lambda v: v.chunk)
+    return by_rank
+
+
+__all__ = ["VirtualStage", "chunks_per_rank", "rank_chunks", "stage_layers"]
