@@ -183,7 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         atomic_write_text(out / f"{args.name}.md", md)
         print(md)
         return 0
-    from hw_validate.calibrate import calibrate, format_report
+    from hw_validate.calibrate import calibrate
+    from hw_validate.calibration_report import format_report
     from hw_validate.validate import format_table, validate
     from sim.inputs.calibration import load_calibration
 

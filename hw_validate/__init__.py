@@ -13,7 +13,20 @@ Modules (one concept each):
 - :mod:`hw_validate.rankwrap`    -- per-rank wrapper the launcher uses: tees logs, records exit status.
 - :mod:`hw_validate.launch`      -- builds and supervises the launcher command (timeouts, dead ranks).
 
-Only ``model``, ``timing``, ``router_trace``, ``upcycle``, ``data`` and ``train_moe`` import torch or
-deepspeed; ``launch``, ``measurement``, ``rankwrap`` and ``dsconfig`` stay light so the CLI can
+Calibration and validation:
+
+- :mod:`hw_validate.microbench`  -- the microbenchmark job's entry point, run by every rank.
+- :mod:`hw_validate.microbenchmarks` -- what that job measures, one module per kind; its spec and runner.
+- :mod:`hw_validate.desync`      -- the reference job: a real job's per-call spans as a desync profile.
+- :mod:`hw_validate.fits`        -- the fits, one module per thing fitted (links, compute, CPU ranks, ...).
+- :mod:`hw_validate.calibrate_fit` -- a microbenchmark result to a Calibration, every fit in turn.
+- :mod:`hw_validate.calibration_report` -- the human report of a calibration.
+- :mod:`hw_validate.calibrate`   -- ``moesim calibrate``: measure, run the reference job, fit, write.
+- :mod:`hw_validate.phases`      -- the job's phases on both sides: simulated from spans, measured.
+- :mod:`hw_validate.validate`    -- ``moesim validate``: the real job against the simulator.
+
+Only ``model``, ``timing``, ``router_trace``, ``upcycle``, ``data``, ``train_moe``, ``microbench`` and
+the rank side of ``microbenchmarks`` import torch or deepspeed; ``launch``, ``measurement``,
+``rankwrap``, ``dsconfig`` and the calibration and validation drivers stay light so the CLI can
 import them on machines without the ``hw`` extra.
 """

@@ -89,7 +89,8 @@ def run(args: argparse.Namespace) -> int:
     except _Missing as exc:
         print(f"moesim: error: {exc}", file=sys.stderr)
         return 1
-    from hw_validate.calibrate import calibrate, check_writable, format_report
+    from hw_validate.calibrate import calibrate, check_writable
+    from hw_validate.calibration_report import format_report
     from hw_validate.launch import JobError
 
     if args.json and args.json != "-":

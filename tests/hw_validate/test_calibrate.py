@@ -101,7 +101,7 @@ def test_fitted_link_reproduces_the_measured_sweep(quick):
     gives the closed form of the simulator's collectives on 2 ranks -- all-to-all 2 alpha + S/2 / bw,
     ring all-reduce 4 alpha + S / bw (two links per transfer), ring all-gather 2 alpha + f S/2 / bw
     with its calibrated bytes factor f -- and stays within the fit's errors."""
-    from hw_validate.calibrate_fit import bench_cluster, simulate_sweep
+    from hw_validate.fits.links import bench_cluster, simulate_sweep
     from sim.hardware.calibrated import apply_link_calibration
 
     _, out, _ = quick
@@ -202,21 +202,6 @@ def test_hung_job_is_stopped_at_the_timeout(tmp_path):
     assert "timed out after 1 s" in proc.stderr and "last lines of the job" in proc.stderr
     assert "internal error" not in proc.stderr
     assert not (tmp_path / "c.json").exists()
-
-
-@pytest.mark.slow
-def test_rank_that_dies_is_a_job_error_with_its_cause(tmp_path):
-    pytest.importorskip("torch")
-    from hw_validate.calibrate import build_spec, run_microbench
-    from hw_validate.launch import JobError
-
-    spec = build_spec(None, "gloo", quick=True)
-    spec["comm"]["kinds"] = ["all_to_all", "broadcast_v"]  # a collective the bench does not know
-    with pytest.raises(JobError) as exc:
-        run_microbench(spec, 2, timeout_s=120, echo=False, work_dir=tmp_path)
-    first = str(exc.value).splitlines()[0]
-    assert "calibration job failed" in first and "unknown collective broadcast_v" in first
-    assert "last lines of the job" in str(exc.value)
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """The desync profile (hw_validate/desync.py): per-call spans of a real job turned into the late
 wake-up and compute-noise models. The fit is checked on spans built from a known model (closed
 form: the exit spread and segment deviations are planted exactly), then on a real 2-rank job of the
-reference scenario; calibrate's choice of when to run it, and the fit_all hand-over."""
+reference scenario; calibrate's choice of when to run it, and the fit_all hand-over. The fits that
+simulate the reference job are in test_fits_reference_job.py, the stalls' and wake-ups' own fits in
+test_fits_cpu_ranks.py."""
 
 from __future__ import annotations
 
@@ -14,14 +16,13 @@ import pytest
 
 from hw_validate.desync import (
     BIN_EDGES_S,
-    PAUSE_MIN_S,
     REFERENCE,
     aligned_calls,
     desync_rows,
-    fit_profile,
     read_spans,
     reference_overrides,
 )
+from hw_validate.fits.cpu_ranks import PAUSE_MIN_S, fit_profile
 from sim.api import load_scenario
 from sim.errors import InputError
 
@@ -144,7 +145,8 @@ def test_when_calibrate_runs_the_desync_job(tmp_path):
 
 def test_fit_all_takes_the_job_figures_and_keeps_the_loops(tmp_path):
     """fit_all: the desync profile's p, cap and cv replace the microbenchmarks'; both recorded."""
-    from hw_validate.calibrate_fit import fit_noise, fit_wake, format_report
+    from hw_validate.calibration_report import format_report
+    from hw_validate.fits.cpu_ranks import fit_noise, fit_wake
 
     prof = profile_of(plant(tmp_path, p_every=2, cap_s=4e-3, cv=0.12))
     wake_rows = [{"segment_s": s, "exit_spread_s": [0.1 * min(s, 2e-3)] * 5} for s in (0.0, 1e-3, 2e-3, 4e-3)]
@@ -207,20 +209,6 @@ def test_real_reference_job_gives_a_profile(tmp_path):
     assert prof["measured"]["phases_s"]["experts"] > 0 and prof["measured"]["step_time_s"] > 0
 
 
-def test_wake_fit_weighs_rows_by_their_calls():
-    """A bin of few calls off the model moves the fit little; with equal counts it would pull it."""
-    from hw_validate.calibrate_fit import fit_wake
-
-    p, cap = 0.4, 2e-3
-    rows = [{"segment_s": 0.0, "exit_spread_s": [0.0]}]
-    rows += [{"segment_s": s, "calls": 100, "exit_spread_s": [p * min(s, cap)] * 100} for s in (0.5e-3, 1e-3, 3e-3, 6e-3)]
-    odd = {"segment_s": 10e-3, "exit_spread_s": [0.2e-3] * 10}
-    (pw, cw) = fit_wake([*rows, {**odd, "calls": 10}])
-    (pu, cu) = fit_wake([*rows, {**odd, "calls": 100, "exit_spread_s": [0.2e-3] * 100}])
-    assert pw == pytest.approx(p, rel=0.1) and cw == pytest.approx(cap, rel=0.15)
-    assert abs(pu * cu - p * cap) > abs(pw * cw - p * cap)
-
-
 def test_remove_shm_buffers_takes_only_the_jobs_own(tmp_path):
     import os
 
@@ -235,230 +223,3 @@ def test_remove_shm_buffers_takes_only_the_jobs_own(tmp_path):
     assert remove_shm_buffers(12345, tmp_path) == 2
     assert not any(f.exists() for f in mine) and all(f.exists() for f in others)
     assert remove_shm_buffers(12345, tmp_path) == 0
-
-
-def _reference_trace(tmp_path: Path, steps: int = 4) -> Path:
-    """A router trace of the reference scenario (2 ranks, 3 MoE layers, 8 experts top-2, 384
-    tokens a rank): near-uniform counts, each expert's kept tokens capped at its capacity."""
-    from sim.inputs.router_trace import RouterTrace, save_trace
-
-    s = load_scenario(REFERENCE)
-    m, tokens = s.model, s.tokens_per_micro_batch
-    rng = np.random.default_rng(3)
-    shape = (steps, 1, m.num_layers, 2, m.num_experts)
-    assigned = np.zeros(shape, dtype=np.int64)
-    for idx in np.ndindex(shape[:-1]):
-        assigned[idx] = rng.multinomial(tokens * m.top_k, [1 / m.num_experts] * m.num_experts)
-    cap = math.ceil(s.routing.capacity_factor * tokens * m.top_k / m.num_experts)
-    path = tmp_path / "router_trace.json"
-    save_trace(path, RouterTrace("cpu-desync", m.num_experts, m.top_k, 2, 2, m.num_layers, tokens,
-                                 assigned, np.minimum(assigned, cap)))  # fmt: skip
-    return path
-
-
-def _quiet_calibration(**update):
-    """The committed accuracy calibration without rank drift (deterministic, symmetric ranks)."""
-    from sim.inputs.calibration import load_calibration
-
-    cal = load_calibration(ROOT / "benchmarks" / "accuracy" / "cpu-2rank-gloo.calibration.json")
-    return cal.model_copy(update={"compute_noise_cv": 0.0, "wake_delay_p": 0.0, "compute_scale": None,
-                            "pause_rate_per_s": None, "call_overhead_us": None, **update})
-
-
-def _predict(tmp_path: Path, cal, trace: Path, name: str):
-    from hw_validate.validate import predicted_phases, simulation_scenario
-    from sim.engine.simulate import simulate
-    from sim.inputs.calibration import save_calibration
-
-    path = tmp_path / f"{name}.json"
-    save_calibration(path, cal)
-    s = simulation_scenario(REFERENCE, [], path, trace)
-    res = simulate(s, trace_ranks={0, 1})
-    spans = res.pop("_spans")
-    hooks = max(sum(sp.end - sp.start for sp in spans if sp.name == "grad_hooks" and sp.rank == r) for r in (0, 1))
-    return predicted_phases(spans, 2), hooks, res
-
-
-def _planted_profile(tmp_path: Path, **cal) -> tuple[dict, float, dict]:
-    """``(phases, hooks, profile)``: a reference-job profile whose measured phases are the
-    simulator's own with the quiet calibration updated by ``cal``."""
-    trace = _reference_trace(tmp_path)
-    planted, hooks, _ = _predict(tmp_path, _quiet_calibration(**cal), trace, "planted")
-    prof = {"scenario": str(REFERENCE), "overrides": [], "measured": {"phases_s": planted, "dtype": "fp32"},
-            "job": {"trace": str(trace)}}  # fmt: skip
-    return planted, hooks, prof
-
-
-def test_compute_scale_multiplies_the_compute_blocks_only(tmp_path):
-    """compute_scale 1.4: every forward/backward compute phase takes exactly 1.4x as long; ZeRO's
-    gradient hooks and the optimizer's own step do not move."""
-    trace = _reference_trace(tmp_path)
-    base, hooks0, r0 = _predict(tmp_path, _quiet_calibration(), trace, "c1")
-    scaled, hooks1, r1 = _predict(tmp_path, _quiet_calibration(compute_scale=1.4), trace, "c14")
-    for ph in ("attention", "route", "permute", "experts", "unpermute", "output", "attention_bwd", "experts_bwd"):
-        assert base[ph] > 0 and scaled[ph] == pytest.approx(1.4 * base[ph], rel=1e-9), ph
-    assert hooks0 > 0 and hooks1 == pytest.approx(hooks0, rel=1e-12)
-    opt = (lambda p: p["optimizer"] - p["optimizer_comm"])  # noqa: E731
-    assert opt(scaled) == pytest.approx(opt(base), rel=1e-9)
-    assert r1["step_time_s"] > r0["step_time_s"]
-
-
-def test_fit_compute_scale_recovers_a_planted_factor(tmp_path):
-    """A 'job' whose phases are the simulator's own at compute_scale 1.3: the fit on the
-    unscaled calibration gives back 1.3 (the secant between scales 1 and 2 is exact where the
-    step is linear in the scale), and the calibration report names it."""
-    from hw_validate.calibrate_fit import format_report
-    from hw_validate.desync import compute_time, fit_compute_scale
-
-    planted, hooks, prof = _planted_profile(tmp_path, compute_scale=1.3)
-    fit = fit_compute_scale(_quiet_calibration(), prof)
-    assert fit["compute_scale"] == pytest.approx(1.3, rel=1e-6)
-    assert fit["measured_compute_s"] == pytest.approx(compute_time(planted)) and fit["predicted_hooks_s"] == pytest.approx(hooks)
-    assert fit["predicted_compute_s"] < fit["measured_compute_s"]
-    assert fit_compute_scale(_quiet_calibration(), {**prof, "job": {}}) is None  # no kept job: no fit
-    cal = _quiet_calibration(compute_scale=fit["compute_scale"])
-    cal.sweeps["desync"] = {"scenario": str(REFERENCE), "ranks": 2, "calls": 0, "wake": [], "noise": {},
-                            "fit": {"compute_noise_cv": 0.0, "wake_delay_p": None}, "compute": fit}  # fmt: skip
-    assert "compute scale 1.300 -- used" in format_report(cal)
-
-
-def _planted_segments(rate: float, mean: float, cv: float, steps: int = 400, seed: int = 5) -> np.ndarray:
-    """(2, steps, 12) segments of 1-8 ms with lognormal noise ``cv`` and Poisson stalls of
-    exponential length (the simulator's model, sim.frameworks.deepspeed.apply_pauses)."""
-    rng = np.random.default_rng(seed)
-    base = np.linspace(1e-3, 8e-3, 12)
-    sigma = math.sqrt(math.log1p(cv**2))
-    seg = base * rng.lognormal(-sigma**2 / 2, sigma, (2, steps, 12))
-    n = rng.poisson(rate * np.broadcast_to(base, seg.shape))
-    return seg + np.array([rng.exponential(mean, k).sum() for k in n.ravel()]).reshape(seg.shape)
-
-
-def test_fit_pauses_recovers_the_stalled_time_of_planted_stalls():
-    """Stalls of 5 ms mean (exponential) at 15 per second over segments with a 2% body: the fit
-    sees those above 1 ms, and their rate x mean -- the stalled time per second of compute -- is
-    the planted one within the sampling error, the body's cv comes back without them; no stalls:
-    none found."""
-    from hw_validate.desync import fit_pauses, step_segments
-
-    rate, mean = 15.0, 5e-3
-    fit = fit_pauses(_planted_segments(rate, mean, 0.02))
-    seen = math.exp(-1e-3 / mean)  # the share of exponential stalls above the 1 ms threshold
-    assert fit["rate_per_s"] == pytest.approx(rate * seen, rel=0.1)
-    assert fit["mean_s"] == pytest.approx(mean + 1e-3, rel=0.1)  # memoryless: threshold + mean
-    assert fit["rate_per_s"] * fit["mean_s"] == pytest.approx(rate * mean, rel=0.12)
-    assert fit["body_cv"] == pytest.approx(0.02, rel=0.25) and fit["sigma_rel"] < 0.05
-    quiet = fit_pauses(_planted_segments(0.0, mean, 0.02))
-    assert quiet["rate_per_s"] is None and quiet["pauses"] == 0 and quiet["body_cv"] == pytest.approx(0.02, rel=0.25)
-    # step_segments: entry into call i+1 minus exit from call i within each step
-    ent = np.array([[0.0, 2.0, 5.0, 10.0, 12.0, 15.0, 20.0, 22.0, 25.0]] * 2)
-    ext = ent + 1.0
-    last = np.array([False, False, True] * 3)
-    assert step_segments(ent, ext, last).tolist() == [[[1.0, 2.0]] * 3] * 2
-    assert step_segments(ent[:, :6], ext[:, :6], last[:6]) is None  # fewer than 3 steps
-
-
-def test_apply_pauses_adds_rate_times_mean_of_stall_time_per_second():
-    """Over many segments the stalls add rate x mean x the compute time (Poisson count, exponential
-    lengths); rate 0 adds nothing; the same seed gives the same draws, and a rank's draws do not
-    depend on how many ranks there are."""
-    from sim.frameworks.ops import Compute
-    from sim.host.cpu_ranks import apply_pauses
-
-    def ops(world):
-        return [Compute(["experts"], np.full((1, world), 4e-3), np.zeros((1, world)), "fwd", i, 0) for i in range(4000)]
-
-    a, b = ops(2), ops(2)
-    tail = apply_pauses(a, np.full(2, 0.01), 20.0, 3e-3, seed=11)
-    apply_pauses(b, np.full(2, 0.01), 20.0, 3e-3, seed=11)
-    added = sum(float(op.durs[:, 0].sum()) for op in a) - 4000 * 4e-3
-    assert added == pytest.approx(20.0 * 3e-3 * 4000 * 4e-3, rel=0.06)
-    assert all(np.array_equal(x.durs, y.durs) for x, y in zip(a, b, strict=True)) and tail[0] >= 0.01
-    c = ops(3)
-    apply_pauses(c, np.full(3, 0.01), 20.0, 3e-3, seed=11)
-    assert all(np.array_equal(x.durs[:, :2], y.durs[:, :2]) for x, y in zip(a, c, strict=True))
-    d = ops(2)
-    assert np.array_equal(apply_pauses(d, np.full(2, 0.01), 0.0, 3e-3, seed=11), np.full(2, 0.01))
-    assert all(np.all(op.durs == 4e-3) for op in d)
-
-
-def test_validate_predicts_the_median_over_noise_draws(tmp_path):
-    """With the calibrated rank noise the prediction is the median over PREDICT_DRAWS independent
-    draws (the job's figure is a median over steps), step and each phase; draw 0 is what
-    ``moesim simulate`` gives; the draws differ; without noise one draw is taken."""
-    from hw_validate.validate import (
-        PREDICT_DRAWS,
-        noise_draws,
-        predicted_phases,
-        simulate_median,
-        simulation_scenario,
-    )
-    from sim.engine.simulate import simulate
-    from sim.inputs.calibration import save_calibration
-
-    trace = _reference_trace(tmp_path)
-    noisy = _quiet_calibration(compute_noise_cv=0.1, pause_rate_per_s=20.0, pause_mean_s=4e-3)
-    save_calibration(tmp_path / "noisy.json", noisy)
-    s = simulation_scenario(REFERENCE, [], tmp_path / "noisy.json", trace)
-    assert noise_draws(s) == PREDICT_DRAWS and PREDICT_DRAWS % 2 == 1
-    runs = [simulate(s, trace_ranks={0, 1}, draw=d) for d in range(PREDICT_DRAWS)]
-    steps = [r["step_time_s"] for r in runs]
-    assert len(set(steps)) == PREDICT_DRAWS  # independent draws
-    step, phases, res0, _ = simulate_median(s)
-    assert step == pytest.approx(float(np.median(steps)), rel=1e-12) and phases["step"] == step
-    per = [predicted_phases(r.pop("_spans"), 2) for r in runs]
-    assert phases["experts_bwd"] == pytest.approx(float(np.median([p["experts_bwd"] for p in per])), rel=1e-12)
-    assert res0["step_time_s"] == steps[0] == simulate(s)["step_time_s"]
-    save_calibration(tmp_path / "quiet.json", _quiet_calibration())
-    assert noise_draws(simulation_scenario(REFERENCE, [], tmp_path / "quiet.json", trace)) == 1
-
-
-def test_call_overhead_follows_every_blocking_call(tmp_path):
-    """call_overhead_us 700 on quiet ranks: every rank resumes 0.7 ms late after each blocking call
-    -- each all-to-all, the flushing gradient all-reduce, the tail's norm all-reduces (2 groups
-    over dp 2; edp 1) and its parameter gather -- so the step grows by exactly 0.7 ms x that count,
-    and validate charges each to the call it follows."""
-    from sim.frameworks.ops import AllToAll
-
-    trace = _reference_trace(tmp_path)
-    base, _, r0 = _predict(tmp_path, _quiet_calibration(), trace, "o0")
-    over, _, r1 = _predict(tmp_path, _quiet_calibration(call_overhead_us=700.0), trace, "o7")
-    s = load_scenario(REFERENCE)
-    a2a = 4 * s.model.num_moe_layers  # dispatch, combine, and their gradients
-    tail = 2 + 1  # two norm all-reduces, one gather
-    calls = a2a + 1 + tail
-    assert r1["step_time_s"] - r0["step_time_s"] == pytest.approx(700e-6 * calls, rel=1e-9)
-    assert over["grad_sync"] - base["grad_sync"] == pytest.approx(700e-6, rel=1e-9)
-    assert over["optimizer_comm"] - base["optimizer_comm"] == pytest.approx(700e-6 * tail, rel=1e-9)
-    moved = sum(over[p] - base[p] for p in ("dispatch", "combine", "dispatch_bwd", "combine_bwd"))
-    assert moved == pytest.approx(700e-6 * a2a, rel=1e-9)
-    for ph in ("attention", "experts", "attention_bwd", "experts_bwd"):
-        assert over[ph] == pytest.approx(base[ph], rel=1e-12), ph
-    assert sum(isinstance(op, AllToAll) for op in build_schedule_of(s)) == a2a
-
-
-def build_schedule_of(s):
-    from sim.engine.simulate import cost_model
-    from sim.engine.step import build_step
-    from sim.routing.plan import route_scenario
-
-    return build_step(s, route_scenario(s), cost_model(s), np.ones(s.world_size)).ops
-
-
-def test_fit_call_overhead_recovers_a_planted_overhead(tmp_path):
-    """A 'job' whose phases are the simulator's own with 0.9 ms a call: the fit gives back 900 us
-    (the step's blocking time is linear in the overhead), a job faster than the isolated calls
-    gives 0, and the calibration report names the figure."""
-    from hw_validate.calibrate_fit import format_report
-    from hw_validate.desync import BLOCKING, blocking_time, fit_call_overhead
-
-    planted, _, prof = _planted_profile(tmp_path, call_overhead_us=900.0)
-    fit = fit_call_overhead(_quiet_calibration(), prof)
-    assert fit["call_overhead_us"] == pytest.approx(900.0, rel=1e-6)
-    assert fit["measured_blocking_s"] == pytest.approx(blocking_time(planted))
-    fast = {k: v * (0.1 if k in BLOCKING else 1.0) for k, v in planted.items()}
-    assert fit_call_overhead(_quiet_calibration(), {**prof, "measured": {"phases_s": fast}})["call_overhead_us"] == 0.0
-    assert fit_call_overhead(_quiet_calibration(), {**prof, "job": {}}) is None
-    cal = _quiet_calibration(call_overhead_us=fit["call_overhead_us"])
-    cal.sweeps["desync"] = {"scenario": str(REFERENCE), "ranks": 2, "calls": 0, "wake": [], "noise": {},
-                            "fit": {"compute_noise_cv": 0.0, "wake_delay_p": None}, "call_overhead": fit}  # fmt: skip
-    assert "call overhead 900 us -- used" in format_report(cal)
