@@ -9,9 +9,14 @@ from conftest import ROOT
 from sim.inputs.hfconfig import model_fields_from_hf
 from sim.inputs.scenario import ModelConfig
 from sim.model.flops import (
+    CLAMPED_SWIGLU_EXTRA_PASSES,
+    SINK_FLOPS_PER_QUERY_HEAD,
     attention_core_flops,
+    attention_core_flops_layer,
     attention_gemms,
+    attention_pairs,
     dense_ffn_gemms,
+    expert_activation_passes,
     expert_gemms,
     forward_flops_per_token,
     lm_head_gemm,
@@ -24,24 +29,33 @@ from sim.model.flops import (
 from sim.model.params import count_params, layer_params
 
 HF = ROOT / "tests" / "data" / "hf"
+PUBLISHED = ROOT / "validation" / "published" / "models"
 MODELS = sorted(p.name for p in HF.iterdir() if p.is_dir())
+CONFIGS = {name: HF / name / "config.json" for name in MODELS} | {
+    f"published/{p.name}": p / "config.json" for p in PUBLISHED.iterdir() if p.is_dir()
+}
 
 
 def hf_model(name: str) -> ModelConfig:
-    return ModelConfig(**model_fields_from_hf(HF / name / "config.json"))
+    return ModelConfig(**model_fields_from_hf(CONFIGS[name]))
 
 
 def matrix_weights(m: ModelConfig) -> int:
-    """Parameters in weight matrices: the total less norms, biases, router selection bias, the MLA
-    low-rank norms and the input-embedding table (a lookup, not a GEMM)."""
+    """Parameters in weight matrices: the total less norms, biases, sinks, router selection and logit
+    biases, the MLA low-rank norms and the input-embedding table (a lookup, not a GEMM)."""
     c = count_params(m)
     not_matrix = c.norms
     if m.attention == "mla":
         not_matrix += m.num_layers * ((m.q_lora_rank or 0) + (m.kv_lora_rank or 0))
     if m.attention_bias:
         not_matrix += m.num_layers * (m.num_attention_heads + 2 * m.kv_heads) * m.head_size
-    if m.router_bias:
-        not_matrix += c.moe_layers * m.num_experts
+    not_matrix += m.num_layers * (
+        m.hidden_size * m.attention_out_bias + m.num_attention_heads * m.attention_sinks
+    )
+    not_matrix += c.moe_layers * m.num_experts * (int(m.router_bias) + int(m.router_logit_bias))
+    if m.linear_bias:  # gated FFNs: fc1 bias 2w, fc2 bias d
+        assert m.ffn_type == "gated" and not m.num_shared_experts and not c.dense_ffn
+        not_matrix += c.moe_layers * m.num_experts * (2 * (m.moe_ffn_hidden_size or 0) + m.hidden_size)
     if not m.tie_word_embeddings:
         not_matrix += m.vocab_size * m.hidden_size
     return c.total - not_matrix
@@ -60,7 +74,7 @@ def gemm_weights(m: ModelConfig) -> int:
     return total
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_gemms_times_tokens_are_two_flops_per_matrix_parameter(name):
     m = hf_model(name)
     assert gemm_weights(m) == matrix_weights(m)
@@ -135,3 +149,74 @@ def test_moe_model_flops_use_active_not_total():
     attention = 12 * 32 * 32 * 128 * 2048
     assert model_flops_per_token(m, 2048, causal=False) == pytest.approx(6 * n + attention, rel=1e-12)
     assert model_flops_per_token(m, 2048) < 6 * c.total / 3
+
+
+def brute_force_pairs(seq_len: int, window: int | None, causal: bool) -> int:
+    """(query, key) pairs a masked attention scores, counted one by one."""
+    w = seq_len if window is None else window
+    return sum(
+        1 for i in range(seq_len) for j in range(seq_len) if (j <= i if causal else True) and abs(i - j) < w
+    )
+
+
+@pytest.mark.parametrize("seq_len", [1, 2, 7, 64, 129])
+@pytest.mark.parametrize("window", [None, 1, 2, 8, 128, 129, 1000])
+@pytest.mark.parametrize("causal", [True, False])
+def test_window_pairs_equal_a_brute_force_count(seq_len, window, causal):
+    assert attention_pairs(seq_len, window, causal) == brute_force_pairs(seq_len, window, causal)
+
+
+def test_window_pairs_closed_form():
+    # Query i sees min(i + 1, w) keys: w(w+1)/2 over the first w queries, then w each.
+    assert attention_pairs(4096, 128) == 128 * 129 // 2 + (4096 - 128) * 128 == 516_160
+    assert attention_pairs(4096, None) == attention_pairs(4096, 4096) == 4096 * 4097 // 2
+
+
+def test_gpt_oss_attention_core_per_layer():
+    m = hf_model("published/GPT-OSS-120B")
+    h, hd, s = 64, 64, 4096
+    sinks = SINK_FLOPS_PER_QUERY_HEAD * h * s
+    windowed = 2 * h * (hd + hd) * attention_pairs(s, 128) + sinks
+    full = 2 * h * (hd + hd) * s * (s + 1) // 2 + sinks
+    assert attention_core_flops_layer(m, s, 0) == windowed  # layer_types[0] = sliding_attention
+    assert attention_core_flops_layer(m, s, 1) == full
+    assert [attention_core_flops_layer(m, s, i) for i in range(4)] == [windowed, full, windowed, full]
+    assert attention_core_flops(m, s) == (18 * windowed + 18 * full) / 36
+    assert windowed < full / 7  # 128 of up to 4096 keys per query
+    # A window as long as the sequence is full attention.
+    assert attention_core_flops_layer(m, 128, 0) == attention_core_flops_layer(m, 128, 1)
+
+
+def test_sinks_are_counted_and_small():
+    m = hf_model("published/GPT-OSS-20B")
+    no_sinks = m.model_copy(update={"attention_sinks": False})
+    for layer in (0, 1):
+        extra = attention_core_flops_layer(m, 4096, layer) - attention_core_flops_layer(no_sinks, 4096, layer)
+        assert extra == SINK_FLOPS_PER_QUERY_HEAD * 64 * 4096
+        assert extra < 1e-3 * attention_core_flops_layer(m, 4096, layer)
+
+
+def test_unwindowed_models_keep_the_single_layer_integer():
+    for name in MODELS:
+        m = hf_model(name)
+        core = attention_core_flops(m, 2048)
+        assert isinstance(core, int) and core == attention_core_flops_layer(m, 2048, 0)
+        assert {attention_core_flops_layer(m, 2048, i) for i in range(m.num_layers)} == {core}
+
+
+def test_windowed_model_flops_count_every_layer():
+    m = hf_model("published/GPT-OSS-20B")
+    s = 4096
+    per_layer = [attention_core_flops_layer(m, s, i) for i in range(m.num_layers)]
+    n = matmul_active_params(m)
+    assert model_flops_per_token(m, s) == pytest.approx(6 * n + 3 * sum(per_layer) / s, rel=1e-12)
+    full = m.model_copy(update={"sliding_window": None, "sliding_window_pattern": None})
+    saved = model_flops_per_token(full, s) - model_flops_per_token(m, s)
+    one_full, one_windowed = per_layer[1], per_layer[0]
+    assert saved == pytest.approx(3 * 12 * (one_full - one_windowed) / s, rel=1e-9)
+
+
+def test_clamped_swiglu_extra_passes():
+    assert expert_activation_passes(hf_model("published/GPT-OSS-120B")) == CLAMPED_SWIGLU_EXTRA_PASSES == 4
+    for name in MODELS:
+        assert expert_activation_passes(hf_model(name)) == 0

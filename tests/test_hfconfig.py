@@ -243,3 +243,195 @@ def test_unknown_scoring_func_is_refused(tmp_path):
     with pytest.raises(InputError) as err:
         model_fields_from_hf(write_config(tmp_path, data))
     assert err.value.field == "scoring_func" and "softmax, sigmoid" in str(err.value)
+
+
+PUBLISHED = ROOT / "validation" / "published" / "models"
+
+
+def published(name: str) -> ModelConfig:
+    return ModelConfig(**model_fields_from_hf(PUBLISHED / name / "config.json"))
+
+
+_GPT_OSS = dict(
+    hidden_size=2880,
+    num_attention_heads=64,
+    kv_heads=8,
+    head_size=64,
+    vocab_size=201088,
+    top_k=4,
+    moe_ffn_hidden_size=2880,
+    tie_word_embeddings=False,
+    attention="mha",
+    attention_bias=True,  # GptOssAttention: q/k/v/o all Linear(bias=config.attention_bias)
+    attention_out_bias=True,
+    attention_sinks=True,  # GptOssAttention.sinks: one logit per head
+    sliding_window=128,
+    sliding_window_pattern=2,  # layer_types: sliding, full, sliding, full, ...
+    linear_bias=True,  # GptOssExperts.gate_up_proj_bias / down_proj_bias
+    router_logit_bias=True,  # GptOssTopKRouter.bias
+    router_bias=False,
+    swiglu_limit=7.0,
+    score_function="softmax",
+    norm_topk_prob=True,  # softmax over the k selected logits
+    qk_norm="none",
+    num_shared_experts=0,
+    first_dense_layers=0,
+    mtp_layers=0,
+)
+_QWEN3 = dict(
+    attention="mha",
+    attention_bias=False,
+    attention_out_bias=False,
+    attention_sinks=False,
+    sliding_window=None,  # use_sliding_window: false
+    qk_norm="head",
+    score_function="softmax",
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+    swiglu_limit=None,
+    router_logit_bias=False,
+    linear_bias=False,
+)
+#: Every config.json under validation/published/models/ -> the ModelConfig fields it must give.
+PUBLISHED_FIELDS = {
+    "GPT-OSS-120B": {**_GPT_OSS, "num_layers": 36, "num_experts": 128, "num_moe_layers": 36},
+    "GPT-OSS-20B": {**_GPT_OSS, "num_layers": 24, "num_experts": 32, "num_moe_layers": 24},
+    "Qwen3-235B-A22B": {
+        **_QWEN3,
+        **dict(num_layers=94, hidden_size=4096, num_attention_heads=64, kv_heads=4, head_size=128),
+        **dict(vocab_size=151936, num_experts=128, top_k=8, moe_ffn_hidden_size=1536, num_moe_layers=94),
+    },
+    "Qwen3-30B-A3B": {
+        **_QWEN3,
+        **dict(num_layers=48, hidden_size=2048, num_attention_heads=32, kv_heads=4, head_size=128),
+        **dict(vocab_size=151936, num_experts=128, top_k=8, moe_ffn_hidden_size=768, num_moe_layers=48),
+    },
+    "DeepSeek-V3": dict(
+        attention="mla",
+        num_layers=61,
+        hidden_size=7168,
+        num_attention_heads=128,
+        q_lora_rank=1536,
+        kv_lora_rank=512,
+        num_experts=256,
+        top_k=8,
+        moe_ffn_hidden_size=2048,
+        num_shared_experts=1,
+        first_dense_layers=3,
+        num_moe_layers=58,
+        mtp_layers=1,
+        score_function="sigmoid",
+        router_bias=True,
+        router_logit_bias=False,
+        attention_sinks=False,
+        sliding_window=None,
+        swiglu_limit=None,
+        vocab_size=129280,
+    ),
+    "Mixtral-8x7B-v0.1": dict(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        kv_heads=8,
+        num_experts=8,
+        top_k=2,
+        moe_ffn_hidden_size=14336,
+        vocab_size=32000,
+        sliding_window=None,  # "sliding_window": null
+        attention_sinks=False,
+        attention_out_bias=False,
+        swiglu_limit=None,
+    ),
+}
+
+
+def test_every_published_model_config_is_checked():
+    assert {p.name for p in PUBLISHED.iterdir() if p.is_dir()} == set(PUBLISHED_FIELDS)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED_FIELDS))
+def test_published_model_configs_import_as_expected(name):
+    m = published(name)
+    expected = PUBLISHED_FIELDS[name]
+    assert {key: getattr(m, key) for key in expected} == expected
+
+
+@pytest.mark.parametrize("name", ["GPT-OSS-120B", "GPT-OSS-20B"])
+def test_gpt_oss_windows_follow_layer_types(name):
+    data = json.loads((PUBLISHED / name / "config.json").read_text())
+    m = published(name)
+    windows = [m.attention_window(i) for i in range(m.num_layers)]
+    assert windows == [128 if t == "sliding_attention" else None for t in data["layer_types"]]
+    assert windows[:4] == [128, None, 128, None]
+
+
+def gpt_oss_variant(tmp_path: Path, **changes) -> ModelConfig:
+    data = json.loads((PUBLISHED / "GPT-OSS-20B" / "config.json").read_text())
+    for key, value in changes.items():
+        if value is ...:
+            data.pop(key)
+        else:
+            data[key] = value
+    return ModelConfig(**model_fields_from_hf(write_config(tmp_path, data)))
+
+
+def test_gpt_oss_defaults_when_keys_are_absent(tmp_path):
+    # GptOssConfig defaults: layer_types sliding where (i + 1) % 2, sliding_window 128, attention_bias
+    # true, swiglu_limit 7.0.
+    m = gpt_oss_variant(tmp_path, layer_types=..., sliding_window=..., attention_bias=..., swiglu_limit=...)
+    assert (m.sliding_window, m.sliding_window_pattern, m.swiglu_limit) == (128, 2, 7.0)
+    assert m.attention_bias and m.attention_out_bias
+
+
+def test_gpt_oss_layer_types_variants(tmp_path):
+    full = gpt_oss_variant(tmp_path, layer_types=["full_attention"] * 24)
+    assert (full.sliding_window, full.sliding_window_pattern) == (None, None)
+    windowed = gpt_oss_variant(tmp_path, layer_types=["sliding_attention"] * 24)
+    assert (windowed.sliding_window, windowed.sliding_window_pattern) == (128, None)
+    assert {windowed.attention_window(i) for i in range(24)} == {128}
+    gemma_like = ["full_attention" if (i + 1) % 3 == 0 else "sliding_attention" for i in range(24)]
+    m = gpt_oss_variant(tmp_path, layer_types=gemma_like, sliding_window=512)
+    assert m.sliding_window_pattern == 3
+    expected = [None if t == "full_attention" else 512 for t in gemma_like]
+    assert [m.attention_window(i) for i in range(24)] == expected
+    unwindowed = gpt_oss_variant(tmp_path, sliding_window=None)  # GptOssAttention: no window anywhere
+    assert (unwindowed.sliding_window, unwindowed.sliding_window_pattern) == (None, None)
+    unbiased = gpt_oss_variant(tmp_path, attention_bias=False)
+    assert not unbiased.attention_bias and not unbiased.attention_out_bias
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "words"),
+    [
+        ({"layer_types": ["sliding_attention"] * 2 + ["full_attention"] * 22}, "layer_types", ["repeating"]),
+        ({"layer_types": ["full_attention", "sliding_attention"] * 12}, "layer_types", ["repeating"]),
+        ({"layer_types": ["sliding_attention"] * 23}, "layer_types", ["23 entries", "num_hidden_layers 24"]),
+        ({"layer_types": "alternating"}, "layer_types", ["must be a list"]),
+        ({"sliding_window": 0}, "sliding_window", [">= 1"]),
+        ({"swiglu_limit": -1}, "swiglu_limit", ["positive number"]),
+        ({"swiglu_limit": True}, "swiglu_limit", ["positive number"]),
+        ({"attention_bias": "yes"}, "attention_bias", ["true or false"]),
+    ],
+)
+def test_bad_gpt_oss_keys_name_the_key(tmp_path, changes, field, words):
+    data = json.loads((PUBLISHED / "GPT-OSS-20B" / "config.json").read_text())
+    data.update(changes)
+    with pytest.raises(InputError) as err:
+        model_fields_from_hf(write_config(tmp_path, data))
+    assert err.value.field == field
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_mistral_and_mixtral_window_every_layer(tmp_path):
+    # MistralModel / MixtralModel build a sliding-window causal mask for every layer when set.
+    data = json.loads((HF / "Mixtral-8x7B-v0.1" / "config.json").read_text())
+    data["sliding_window"] = 4096
+    m = ModelConfig(**model_fields_from_hf(write_config(tmp_path, data)))
+    assert (m.sliding_window, m.sliding_window_pattern) == (4096, None)
+    assert {m.attention_window(i) for i in range(m.num_layers)} == {4096}
+    data = json.loads((HF / "Llama-3.1-8B" / "config.json").read_text())
+    data.update(model_type="mistral", sliding_window=4096)
+    assert ModelConfig(**model_fields_from_hf(write_config(tmp_path, data))).sliding_window == 4096
+    data["model_type"] = "llama"  # LlamaModel has no window: the key is not read
+    assert ModelConfig(**model_fields_from_hf(write_config(tmp_path, data))).sliding_window is None

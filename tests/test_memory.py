@@ -160,3 +160,16 @@ def test_128gpu_scenario_fits_an_h100_and_a_huge_model_does_not():
     assert not memory_per_gpu(huge).fits
     report = mem.as_dict()
     assert report["peak_GiB_per_gpu"] == pytest.approx(mem.total / GiB)
+
+
+def test_a_sliding_window_and_sinks_store_no_more_activations():
+    # FlashAttention keeps no s x s term; an eager softmax masks a full s x s matrix whatever the window.
+    gpt_oss_like = {**MOE, "sliding_window": 4, "sliding_window_pattern": 2, "attention_sinks": True}
+    gpt_oss_like |= {"attention_bias": True, "attention_out_bias": True, "swiglu_limit": 7.0}
+    windowed, full = scenario(gpt_oss_like), scenario(MOE)
+    assert activation_bytes(windowed) == activation_bytes(full)
+    for flash in (True, False):
+        args = (16, 16, 1, 2, 32)
+        assert layer_activation_bytes(windowed.model, *args, flash=flash) == layer_activation_bytes(
+            full.model, *args, flash=flash
+        )

@@ -8,13 +8,18 @@ from conftest import ROOT
 
 from sim.inputs.hfconfig import model_fields_from_hf
 from sim.inputs.scenario import ModelConfig
-from sim.model.params import attention_params, count_params, layer_params
+from sim.model.params import attention_params, count_params, layer_params, layer_tensors
 
 HF = ROOT / "tests" / "data" / "hf"
+PUBLISHED = ROOT / "validation" / "published" / "models"
 
 
 def hf_model(name: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**model_fields_from_hf(HF / name / "config.json"), **overrides})
+
+
+def published_model(name: str, **overrides) -> ModelConfig:
+    return ModelConfig(**{**model_fields_from_hf(PUBLISHED / name / "config.json"), **overrides})
 
 
 def rel(a: float, b: float) -> float:
@@ -234,3 +239,68 @@ def test_leading_dense_layers_use_the_dense_width():
     assert layer_params(m, 2).dense_ffn == 3 * 7168 * 18432 and layer_params(m, 2).num_experts == 0
     moe = layer_params(m, 3)
     assert (moe.num_experts, moe.router) == (256, 256 * 7168 + 256)  # + e_score_correction_bias
+
+
+def billions(n: int, digits: int) -> float:
+    return round(n / 1e9, digits)
+
+
+@pytest.mark.parametrize(
+    ("name", "total", "active", "mlp", "attention", "embed_unembed"),
+    [
+        # gpt-oss model card (OpenAI, arXiv 2508.10925), Table 1 "Model parameter counts":
+        # MLP / Attention / Embed + Unembed / Active / Total. "Unembedding parameters are counted
+        # towards active, but not embeddings." Counted: 116,829,156,672 total, 5,132,849,472 active;
+        # 20,914,757,184 and 3,608,307,264.
+        ("GPT-OSS-120B", 116.83, 5.13, 114.71, 0.96, 1.16),
+        ("GPT-OSS-20B", 20.91, 3.61, 19.12, 0.64, 1.16),
+    ],
+)
+def test_gpt_oss_matches_table_1_of_its_model_card(name, total, active, mlp, attention, embed_unembed):
+    m = published_model(name)
+    c = count_params(m)
+    embedding_lookup = m.vocab_size * m.hidden_size
+    assert billions(c.total, 2) == total
+    assert billions(c.active - embedding_lookup, 2) == active
+    assert billions(c.expert + c.router, 2) == mlp  # the MoE block: experts (with biases) and router
+    assert billions(c.attention, 2) == attention
+    assert billions(c.embedding, 2) == embed_unembed
+
+
+def test_qwen3_235b_matches_its_card():
+    # Qwen/Qwen3-235B-A22B model card: "Number of Parameters: 235B in total and 22B activated",
+    # "Number of Parameters (Non-Embedding): 234B". Counted: 235,093,634,560 total; 22,190,763,520
+    # active (21.57B without the input embedding, also "22B"); 233.85B without embedding and head.
+    m = published_model("Qwen3-235B-A22B")
+    c = count_params(m)
+    assert billions(c.total, 0) == 235
+    assert billions(c.active, 0) == 22
+    assert billions(c.active - m.vocab_size * m.hidden_size, 0) == 22
+    assert billions(c.total - c.embedding, 0) == 234
+
+
+def test_gpt_oss_layer_from_first_principles():
+    # GptOssAttention: q/k/v/o Linear with bias, sinks (heads); GptOssExperts: gate_up (d x 2f) and
+    # down (f x d) with biases; GptOssTopKRouter: weight E x d and bias E; two RMSNorms.
+    m = published_model("GPT-OSS-20B")
+    d, f, h, kv, hd, e = 2880, 2880, 64, 8, 64, 32
+    attention = d * h * hd + h * hd + 2 * (d * kv * hd + kv * hd) + h * hd * d + d + h
+    expert = d * 2 * f + 2 * f + f * d + d
+    layer = layer_params(m, 0)
+    assert attention == 26_550_144 and layer.attention == attention
+    assert layer.expert_each == expert == 24_891_840 and layer.num_experts == e
+    assert layer.router == e * d + e and layer.norms == 2 * d
+    assert layer.active(4) == attention + 4 * expert + e * d + e + 2 * d
+    plain = published_model(
+        "GPT-OSS-20B", attention_out_bias=False, attention_sinks=False, router_logit_bias=False
+    )
+    assert count_params(m).total - count_params(plain).total == 24 * (d + h + e)
+    # Tensors: q/k/v/o + 3 q/k/v biases + the o bias + sinks; two norms; router weight + bias.
+    assert layer_tensors(m, 0) == (4 + 3 + 1 + 1 + 2 + 2, 6)
+    assert layer_tensors(plain, 0) == (4 + 3 + 2 + 1, 6)
+
+
+def test_sliding_window_and_swiglu_limit_do_not_change_parameters():
+    m = published_model("GPT-OSS-20B")
+    bare = published_model("GPT-OSS-20B", sliding_window=None, sliding_window_pattern=None, swiglu_limit=None)
+    assert count_params(m) == count_params(bare)

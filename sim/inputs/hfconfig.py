@@ -52,6 +52,15 @@ class _Config:
             raise self.error(key, f"must be true or false, got {value!r}")
         return value
 
+    def number(self, key: str, default: float) -> float:
+        """A positive finite number (int or float); absent or null gives ``default``."""
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+            raise self.error(key, f"must be a positive number, got {value!r}")
+        return float(value)
+
     def choice(self, key: str, default: str, allowed: tuple[str, ...]) -> str:
         value = self.data.get(key, default)
         if value is None:
@@ -95,6 +104,11 @@ def _llama(c: _Config) -> Fields:
     return _dense(c)
 
 
+def _mistral(c: _Config) -> Fields:
+    # MistralModel: a sliding-window causal mask in every layer when sliding_window is set.
+    return {**_dense(c), "sliding_window": c.opt_int("sliding_window")}
+
+
 def _qwen2(c: _Config) -> Fields:
     return _dense(c, attention_bias=True)  # Qwen2Attention: q/k/v always carry a bias
 
@@ -120,6 +134,7 @@ def _mixtral(c: _Config) -> Fields:
     # MixtralSparseMoeBlock: softmax over all experts, top-2, renormalised (always).
     fields = {**_common(c), **_routed(c, "num_local_experts", "intermediate_size", True)}
     fields["norm_topk_prob"] = True
+    fields["sliding_window"] = c.opt_int("sliding_window")  # as Mistral: every layer, when set
     return fields
 
 
@@ -213,6 +228,54 @@ def _deepseek(c: _Config, mtp: bool) -> Fields:
     return fields
 
 
+def _window_pattern(c: _Config, layers: int) -> tuple[bool, int | None]:
+    """HF ``layer_types`` -> (any windowed layer, ``sliding_window_pattern``). Absent or null: GPT-OSS's
+    default, ``sliding_attention`` where ``(i + 1) % 2`` else ``full_attention``."""
+    types = c.data.get("layer_types")
+    if types is None:
+        return True, 2
+    allowed = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or not all(t in allowed for t in types):
+        raise c.error("layer_types", f"must be a list of {' / '.join(allowed)}, got {types!r}")
+    if len(types) != layers:
+        raise c.error("layer_types", f"has {len(types)} entries for num_hidden_layers {layers}")
+    if "sliding_attention" not in types:
+        return False, None
+    if "full_attention" not in types:
+        return True, None
+    pattern = types.index("full_attention") + 1
+    expected = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(layers)]
+    if pattern < 2 or types != expected:
+        raise c.error(
+            "layer_types",
+            "only a repeating run of n-1 sliding_attention layers then one full_attention layer is "
+            f"supported (sliding_window_pattern n), got {types}",
+        )
+    return True, pattern
+
+
+def _gpt_oss(c: _Config) -> Fields:
+    """GPT-OSS: GQA with q/k/v/o biases and per-head sinks, windowed and full layers alternating, every
+    layer MoE with biased experts and router (softmax over the top-k logits), clamped SwiGLU."""
+    fields = {**_common(c), **_routed(c, "num_local_experts", "intermediate_size", True)}
+    fields["norm_topk_prob"] = True  # GptOssTopKRouter: softmax over the k selected logits
+    windowed, pattern = _window_pattern(c, fields["num_layers"])
+    if "sliding_window" in c.data and c.data["sliding_window"] is None:
+        windowed = False  # GptOssAttention: sliding_window None leaves every layer full
+    bias = c.bool("attention_bias", True)
+    fields.update(
+        attention_bias=bias,
+        attention_out_bias=bias,
+        attention_sinks=True,
+        sliding_window=c.int("sliding_window", default=128) if windowed else None,
+        sliding_window_pattern=pattern if windowed else None,
+        linear_bias=True,  # GptOssExperts: gate_up_proj_bias, down_proj_bias
+        router_logit_bias=True,  # GptOssTopKRouter.bias
+        swiglu_limit=c.number("swiglu_limit", 7.0),
+    )
+    return fields
+
+
 #: model_type -> mapper. Dense llama/mistral/qwen2 give ``num_experts = 1`` (upcycling sources).
 MAPPERS: dict[str, Callable[[_Config], Fields]] = {
     "mixtral": _mixtral,
@@ -222,8 +285,9 @@ MAPPERS: dict[str, Callable[[_Config], Fields]] = {
     "deepseek_v3": lambda c: _deepseek(c, mtp=True),
     "olmoe": _olmoe,
     "granitemoe": _granitemoe,
+    "gpt_oss": _gpt_oss,
     "llama": _llama,
-    "mistral": _llama,
+    "mistral": _mistral,
     "qwen2": _qwen2,
 }
 

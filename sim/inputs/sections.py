@@ -69,6 +69,29 @@ class ModelConfig(StrictModel):
     qk_rope_head_dim: int | None = Field(default=None, ge=0, le=_WIDTH)
     v_head_dim: int | None = Field(default=None, ge=1, le=_WIDTH)
     attention_bias: bool = Field(default=False, description="biases on q/k/v projections (Qwen2)")
+    attention_out_bias: bool = Field(
+        default=False, description="bias on the attention output projection (GPT-OSS: q/k/v/o all biased)"
+    )
+    attention_sinks: bool = Field(
+        default=False,
+        description="a learned sink logit per head and layer: one more softmax column that no value row "
+        "follows (GPT-OSS)",
+    )
+    sliding_window: int | None = Field(
+        default=None,
+        ge=1,
+        le=10_000_000,
+        description="tokens a query of a windowed layer attends to, itself included (HF semantics); "
+        "None = full causal attention in every layer",
+    )
+    sliding_window_pattern: int | None = Field(
+        default=None,
+        ge=2,
+        le=100_000,
+        description="with sliding_window, layer i (0-based) attends fully iff (i + 1) % n == 0 and the others "
+        "use the window (HF Gemma's sliding_window_pattern, Megatron's window_attn_skip_freq; GPT-OSS: 2); "
+        "None = every layer windowed",
+    )
     qk_norm: Literal["none", "head", "full"] = Field(
         default="none",
         description="RMSNorm on queries and keys: head = per head, width head_dim (Qwen3-MoE); "
@@ -81,6 +104,13 @@ class ModelConfig(StrictModel):
         default="gated", description="gated: SwiGLU, 3 matrices; plain: 2 matrices; linear: 1 d x d matrix"
     )
     linear_bias: bool = Field(default=False, description="biases on FFN/expert linear layers")
+    swiglu_limit: float | None = Field(
+        default=None,
+        gt=0,
+        le=1e6,
+        description="GPT-OSS's clamped SwiGLU: gate clamped to <= limit, linear half to [-limit, limit], "
+        "out = (up + 1) * gate * sigmoid(1.702 gate); None = plain SwiGLU",
+    )
     ffn_hidden_size: int | None = Field(default=None, ge=1, le=_FFN, description="dense layers' FFN width")
     moe_ffn_hidden_size: int | None = Field(
         default=None, ge=1, le=_FFN, description="one routed expert's FFN width"
@@ -104,6 +134,11 @@ class ModelConfig(StrictModel):
     score_function: Literal["softmax", "sigmoid"] = "softmax"
     norm_topk_prob: bool = Field(default=True, description="renormalise the top-k weights to sum to 1")
     router_bias: bool = Field(default=False, description="per-expert selection bias (DeepSeek-V3)")
+    router_logit_bias: bool = Field(
+        default=False,
+        description="bias of the router's linear layer, added to the logits before top-k and softmax, so it "
+        "moves the weights too (GPT-OSS)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> ModelConfig:
@@ -125,6 +160,25 @@ class ModelConfig(StrictModel):
             raise field_error(
                 "qk_norm", f"qk_norm: {self.qk_norm} applies to attention: mha only, not {self.attention}"
             )
+        if self.attention_out_bias and self.attention != "mha":
+            raise field_error(
+                "attention_out_bias",
+                f"attention_out_bias applies to attention: mha only, not {self.attention}",
+            )
+        if self.attention == "none":
+            for name in ("attention_sinks", "sliding_window"):
+                if getattr(self, name):
+                    raise field_error(name, f"{name} needs attention layers; attention is none")
+        if self.sliding_window_pattern is not None and self.sliding_window is None:
+            raise field_error(
+                "sliding_window_pattern", "sliding_window_pattern needs sliding_window (the window in tokens)"
+            )
+        if self.swiglu_limit is not None and self.ffn_type != "gated":
+            raise field_error(
+                "swiglu_limit", f"swiglu_limit clamps a gated (SwiGLU) FFN; ffn_type is {self.ffn_type}"
+            )
+        if self.router_logit_bias and self.num_experts <= 1:
+            raise field_error("router_logit_bias", "router_logit_bias needs a router: num_experts > 1")
         if self.attention == "mla":
             missing = [
                 f
@@ -158,6 +212,14 @@ class ModelConfig(StrictModel):
     @property
     def head_size(self) -> int:
         return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def attention_window(self, layer: int) -> int | None:
+        """Keys per query of layer ``layer`` (0-based): ``sliding_window`` in a windowed layer, None in
+        a full-attention one (HF ``layer_types``; see ``sliding_window_pattern``)."""
+        if self.sliding_window is None:
+            return None
+        pattern = self.sliding_window_pattern
+        return None if pattern is not None and (layer + 1) % pattern == 0 else self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether layer ``layer`` (0-based) has an MoE FFN (HF's first_k_dense_replace + moe_layer_freq)."""

@@ -6,7 +6,9 @@ of ``M`` tokens costs ``2 M n k`` FLOPs (one multiply-add = 2 FLOPs). Names foll
 one ``fc1`` of width ``2f``). Attention core (scores and weighted sum, causal):
 ``2 * heads * (d_qk + d_v) * s(s+1)/2`` per sequence and layer; without the causal mask ``s^2``
 pairs, which with ``d_qk = d_v = Q`` and forward+backward = 3x forward gives PaLM's
-``12 L H Q T`` per token (Chowdhery et al. 2022, appendix B). Model FLOPs per token for MFU:
+``12 L H Q T`` per token (Chowdhery et al. 2022, appendix B). A sliding window of ``w`` keys scores
+``sum_i min(i + 1, w)`` pairs instead (counted exactly, layer by layer); an attention sink adds a few
+softmax FLOPs per query and head. Model FLOPs per token for MFU:
 ``6 N + 3 x attention`` with ``N`` the active parameters that sit in matrix multiplies
 (``ParamCounts.active`` less the input-embedding lookup), as in PaLM appendix B and Megatron-LM's
 ``num_floating_point_operations`` (which halves the attention term for causal masks).
@@ -106,8 +108,25 @@ def mtp_gemms(m: ModelConfig) -> list[Gemm]:
     return [Gemm("mtp.eh_proj", m.hidden_size, 2 * m.hidden_size)] if m.mtp_layers else []
 
 
-def attention_core_flops(m: ModelConfig, seq_len: int, causal: bool = True) -> int:
-    """Forward FLOPs of scores (QK^T) and weighted sum (PV) for one sequence in one layer."""
+#: FLOPs a learned attention sink adds per query and head: its logit joins the softmax's running max
+#: and denominator (max, subtract, exp, add); it has no QK^T product and no value row.
+SINK_FLOPS_PER_QUERY_HEAD = 4
+#: Elementwise operations GPT-OSS's clamped SwiGLU adds to SwiGLU (HF ``GptOssExperts``): clamp the
+#: gate, clamp the linear half, scale the gate by alpha inside the sigmoid, add 1 to the linear half.
+CLAMPED_SWIGLU_EXTRA_PASSES = 4
+
+
+def attention_pairs(seq_len: int, window: int | None = None, causal: bool = True) -> int:
+    """(query, key) pairs one sequence scores: causal ``sum_i min(i + 1, w)`` (query ``i`` sees keys
+    ``i - w + 1 .. i``; ``s(s+1)/2`` without a window); not causal, the band ``|i - j| < w`` (``s^2``)."""
+    w = seq_len if window is None else min(window, seq_len)
+    causal_pairs = w * (w + 1) // 2 + (seq_len - w) * w
+    return causal_pairs if causal else 2 * causal_pairs - seq_len
+
+
+def attention_core_flops_layer(m: ModelConfig, seq_len: int, layer: int, causal: bool = True) -> int:
+    """Forward FLOPs of scores (QK^T), weighted sum (PV) and sinks for one sequence in layer ``layer``
+    (its window per ``ModelConfig.attention_window``)."""
     if m.attention == "none":
         return 0
     if m.attention == "mla":
@@ -115,8 +134,32 @@ def attention_core_flops(m: ModelConfig, seq_len: int, causal: bool = True) -> i
         d_v = m.v_head_dim or 0
     else:
         d_qk = d_v = m.head_size
-    pairs = seq_len * (seq_len + 1) // 2 if causal else seq_len * seq_len
-    return 2 * m.num_attention_heads * (d_qk + d_v) * pairs
+    pairs = attention_pairs(seq_len, m.attention_window(layer), causal)
+    sinks = SINK_FLOPS_PER_QUERY_HEAD * m.num_attention_heads * seq_len if m.attention_sinks else 0
+    return 2 * m.num_attention_heads * (d_qk + d_v) * pairs + sinks
+
+
+def attention_core_flops_sum(m: ModelConfig, seq_len: int, causal: bool = True) -> int:
+    """Forward attention-core FLOPs of one sequence through all ``num_layers`` layers."""
+    if m.sliding_window is None:
+        return m.num_layers * attention_core_flops_layer(m, seq_len, 0, causal)
+    return sum(attention_core_flops_layer(m, seq_len, i, causal) for i in range(m.num_layers))
+
+
+def attention_core_flops(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
+    """Forward FLOPs of the attention core for one sequence in one layer; the mean over layers where
+    windowed and full layers differ (an integer whenever the layers agree)."""
+    total = attention_core_flops_sum(m, seq_len, causal)
+    mean, rest = divmod(total, m.num_layers)
+    return mean if rest == 0 else total / m.num_layers
+
+
+def expert_activation_passes(m: ModelConfig) -> int:
+    """Elementwise passes the expert activation makes beyond plain SwiGLU, each reading and writing
+    ``rows x moe_ffn_hidden_size`` elements when unfused (HF ``GptOssExperts``): 0 for SwiGLU, plain or
+    linear FFNs; :data:`CLAMPED_SWIGLU_EXTRA_PASSES` with ``swiglu_limit``. A fused kernel does them in
+    registers, so the kernel model decides what they cost."""
+    return CLAMPED_SWIGLU_EXTRA_PASSES if m.swiglu_limit is not None else 0
 
 
 def matmul_active_params(m: ModelConfig) -> int:
@@ -128,9 +171,10 @@ def matmul_active_params(m: ModelConfig) -> int:
 
 
 def forward_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
-    """Forward FLOPs per token: ``2 N`` (matrix multiplies, biases/norms included as 1 FMA each,
-    a <0.1% overcount) plus the attention core averaged over the sequence."""
-    attention = m.num_layers * attention_core_flops(m, seq_len, causal) / seq_len
+    """Forward FLOPs per token: ``2 N`` (matrix multiplies, biases/norms/sinks included as 1 FMA each,
+    a <0.1% overcount) plus the attention core of every layer (windowed or full) averaged over the
+    sequence."""
+    attention = attention_core_flops_sum(m, seq_len, causal) / seq_len
     return 2.0 * matmul_active_params(m) + attention
 
 
@@ -140,10 +184,16 @@ def model_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> 
 
 
 __all__ = [
+    "CLAMPED_SWIGLU_EXTRA_PASSES",
     "Gemm",
+    "SINK_FLOPS_PER_QUERY_HEAD",
     "attention_core_flops",
+    "attention_core_flops_layer",
+    "attention_core_flops_sum",
     "attention_gemms",
+    "attention_pairs",
     "dense_ffn_gemms",
+    "expert_activation_passes",
     "expert_gemms",
     "ffn_gemms",
     "forward_flops_per_token",

@@ -17,6 +17,9 @@ and no dropout (no masks). ``layer_activation_bytes(..., flash=False, dropout=Tr
 layer reproduces the paper's ``34 sbh + 5 a s^2 b`` exactly (tested). MoE layers store their
 expert activations for the rows each rank's experts receive: ``top_k x tokens`` (dropless, even
 routing) or ``E x C`` (capacity-padded dispatch, ``C = max(ceil(k S cf / E), min_capacity)``).
+A sliding window or attention sinks change no stored tensor: FlashAttention keeps no ``s x s`` term
+(only its per-row statistics), and an eager softmax (``flash=False``) masks a full ``s x s`` score
+matrix per head whatever the window, so windowed layers store what full ones do.
 """
 
 from __future__ import annotations

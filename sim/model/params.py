@@ -1,15 +1,19 @@
 """Parameter accounting of a :class:`~sim.inputs.scenario.ModelConfig`, module by module.
 
 Counts follow the HuggingFace modeling files' ``nn.Linear`` / norm shapes: GQA attention
-(q, k, v, o; q/k/v biases when ``attention_bias``), DeepSeek MLA (q_a/q_b or q, kv_a with the rope
-key, kv_b, o, and the two low-rank RMSNorms), gated FFN = 3 matrices (gate, up, down), plain = 2,
-linear = one d x d matrix, router ``E x d`` (+ ``E`` selection bias), the Qwen2-MoE shared-expert
-gate ``d x 1``, two norms per layer plus a final one, the query/key norms of ``qk_norm`` (counted
-in ``norms``: ``head`` = 2 x head_dim weights per layer as Qwen3-MoE's q_norm/k_norm, ``full`` =
-(heads + kv_heads) x head_dim as OLMoE's), input embedding and (untied) LM head.
+(q, k, v, o; q/k/v biases when ``attention_bias``, the o bias when ``attention_out_bias``, one sink
+logit per head when ``attention_sinks``), DeepSeek MLA (q_a/q_b or q, kv_a with the rope key, kv_b,
+o, and the two low-rank RMSNorms), gated FFN = 3 matrices (gate, up, down), plain = 2, linear = one
+d x d matrix (each with its bias when ``linear_bias``), router ``E x d`` (+ ``E`` selection bias,
++ ``E`` logit bias), the Qwen2-MoE shared-expert gate ``d x 1``, two norms per layer plus a final
+one, the query/key norms of ``qk_norm`` (counted in ``norms``: ``head`` = 2 x head_dim weights per
+layer as Qwen3-MoE's q_norm/k_norm, ``full`` = (heads + kv_heads) x head_dim as OLMoE's), input
+embedding and (untied) LM head.
 
 ``active`` = every parameter a token passes through: all non-routed parameters (embedding table
-and LM head included, as in Mixtral's 12.9B) plus ``top_k`` routed experts per MoE layer.
+and LM head included, as in Mixtral's 12.9B) plus ``top_k`` routed experts per MoE layer. Cards that
+leave the input embedding out (DeepSeek-V3, GPT-OSS: "unembedding parameters are counted towards
+active, but not embeddings") compare with ``active - vocab x d``.
 DeepSeek-V3 multi-token-prediction modules (eh_proj, two norms, one full transformer layer; the
 embedding and head are shared with the main model) are reported in ``mtp`` and are not in
 ``total``, as the DeepSeek-V3 card reports 671B + MTP.
@@ -102,8 +106,13 @@ def attention_params(m: ModelConfig) -> int:
         return q + kv + h * v * d
     hd, kv_heads = m.head_size, m.kv_heads
     q_out, kv_out = h * hd, kv_heads * hd
-    bias = (q_out + 2 * kv_out) if m.attention_bias else 0
-    return d * q_out + 2 * d * kv_out + q_out * d + bias
+    bias = ((q_out + 2 * kv_out) if m.attention_bias else 0) + (d if m.attention_out_bias else 0)
+    return d * q_out + 2 * d * kv_out + q_out * d + bias + sink_params(m)
+
+
+def sink_params(m: ModelConfig) -> int:
+    """The learned sink logits of one attention block: one per query head (GPT-OSS's ``sinks``)."""
+    return m.num_attention_heads if m.attention_sinks else 0
 
 
 def _norm(m: ModelConfig, width: int | None = None) -> int:
@@ -137,7 +146,7 @@ def layer_params(m: ModelConfig, layer: int) -> LayerParams:
     shared = m.num_shared_experts * ffn_params(d, shared_width, m.ffn_type, m.linear_bias)
     if m.shared_expert_gate and m.num_shared_experts:
         shared += d
-    router = (routed * d + (routed if m.router_bias else 0)) if routed else 0
+    router = routed * (d + int(m.router_bias) + int(m.router_logit_bias))
     return LayerParams(attention, 0, each, routed, shared, router, norms)
 
 
@@ -200,6 +209,8 @@ def layer_tensors(m: ModelConfig, layer: int) -> tuple[int, int]:
         attn = (3 if m.q_lora_rank else 1) + 4
     else:
         attn = 4 + (3 if m.attention_bias else 0) + (2 * norm if m.qk_norm in ("head", "full") else 0)
+        attn += int(m.attention_out_bias)
+    attn += int(m.attention_sinks)
     lp = layer_params(m, layer)
     non_expert = attn + 2 * norm
     if lp.dense_ffn:
@@ -207,7 +218,7 @@ def layer_tensors(m: ModelConfig, layer: int) -> tuple[int, int]:
     if lp.shared_expert:
         non_expert += m.num_shared_experts * _ffn_tensors(m.ffn_type, m.linear_bias) + int(bool(m.shared_expert_gate))
     if lp.router:
-        non_expert += 1 + int(bool(m.router_bias))
+        non_expert += 1 + int(bool(m.router_bias)) + int(m.router_logit_bias)
     return non_expert, (_ffn_tensors(m.ffn_type, m.linear_bias) if lp.num_experts else 0)
 
 
@@ -227,4 +238,5 @@ __all__ = [
     "mtp_params",
     "outer_tensors",
     "qk_norm_params",
+    "sink_params",
 ]
