@@ -152,7 +152,7 @@ def build_ds_config(
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 100}
     elif dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
-    if scenario.training.activation_checkpointing:
+    if scenario.training.recompute:
         notices.append("training.activation_checkpointing is simulated only; the real job keeps activations")
     return TrainSettings(ds_config=cfg, dtype=dtype, dtype_requested=t.dtype, notices=notices)
 

@@ -122,6 +122,13 @@ class Scenario(StrictModel):
         return self.training.micro_batch_size * self.training.seq_len
 
     @property
+    def routed_tokens_per_rank(self) -> int:
+        """Tokens each rank routes per micro-batch: its sequence shard (``/ cp``), split again over the
+        tensor-parallel group under sequence parallelism (Megatron's MoE layers see ``T / tp`` tokens)."""
+        p = self.parallelism
+        return self.tokens_per_micro_batch // (p.cp * (p.tp if self.sequence_parallel else 1))
+
+    @property
     def global_batch_size(self) -> int:
         return self.training.micro_batch_size * self.training.grad_accum_steps * self.dp
 

@@ -7,8 +7,9 @@ divides). ``embedding_as_layer`` / ``loss_as_layer`` count the embedding and the
 layer each in that split (``account_for_*_in_pipeline_split``); ``first_stage_layers`` /
 ``last_stage_layers`` fix the layers of pipeline rank 0 and pp-1 (split over their vpp chunks) and
 spread the rest evenly over the middle ranks. The embedding is on virtual stage 0, the LM head,
-loss and MTP modules on the last. DualPipe (``pp_schedule: dualpipe``) splits the model into 2 pp
-virtual stages; rank r holds stage r and stage 2 pp - 1 - r.
+loss and MTP modules on the last. DualPipe (``pp_schedule: dualpipe``) splits the model into pp
+stages and keeps two copies of the parameters: rank r holds stage r (chunk 0, for micro-batches
+entering at rank 0) and stage pp - 1 - r (chunk 1, for those entering at rank pp - 1).
 """
 
 from __future__ import annotations
@@ -36,6 +37,12 @@ def chunks_per_rank(s) -> int:
     return 2 if p.schedule == "dualpipe" else p.vpp
 
 
+def model_chunks(s) -> int:
+    """Model stages the layers are split into: pp x vpp (DualPipe: pp, each held twice)."""
+    p = s.parallelism
+    return p.pp if p.schedule == "dualpipe" else p.pp * p.vpp
+
+
 def _even(units: int, parts: int, field_name: str, what: str) -> int:
     if parts <= 0 or units % parts:
         raise InputError(f"{what}: {units} units do not split evenly over {parts} virtual stages", field=field_name)
@@ -45,13 +52,11 @@ def _even(units: int, parts: int, field_name: str, what: str) -> int:
 def stage_layers(s) -> list[VirtualStage]:
     """The virtual stages of scenario ``s`` in model order (``len = pp x chunks``)."""
     p, layers = s.parallelism, s.model.num_layers
-    vpp = chunks_per_rank(s)
-    n_virtual = p.pp * vpp
     dualpipe = p.schedule == "dualpipe"
+    vpp = 1 if dualpipe else p.vpp
+    n_virtual = p.pp * vpp
 
     def owner(v: int) -> tuple[int, int]:
-        if dualpipe:
-            return (v, 0) if v < p.pp else (2 * p.pp - 1 - v, 1)
         return v % p.pp, v // p.pp
 
     counts: list[int]
@@ -68,8 +73,6 @@ def stage_layers(s) -> list[VirtualStage]:
         if min(counts) < 0:
             raise InputError(f"{what} leave a virtual stage with fewer than 0 layers", field="model.num_layers")
     else:
-        if dualpipe:
-            raise InputError("first/last_stage_layers are not supported with dualpipe", field="parallelism.pp_schedule")
         first = p.first_stage_layers
         last = p.last_stage_layers
         middle_ranks = p.pp - (first is not None) - (last is not None)
@@ -104,13 +107,17 @@ def stage_layers(s) -> list[VirtualStage]:
 
 
 def rank_chunks(s) -> list[list[VirtualStage]]:
-    """Per pipeline rank, its virtual stages in chunk order."""
-    by_rank: list[list[VirtualStage]] = [[] for _ in range(s.parallelism.pp)]
-    for vs in stage_layers(s):
+    """Per pipeline rank, the model stages it runs, indexed by chunk (DualPipe: [stage r, stage pp-1-r])."""
+    stages = stage_layers(s)
+    pp = s.parallelism.pp
+    if s.parallelism.schedule == "dualpipe":
+        return [[stages[r], stages[pp - 1 - r]] for r in range(pp)]
+    by_rank: list[list[VirtualStage]] = [[] for _ in range(pp)]
+    for vs in stages:
         by_rank[vs.rank].append(vs)
     for lst in by_rank:
         lst.sort(key=lambda v: v.chunk)
     return by_rank
 
 
-__all__ = ["VirtualStage", "chunks_per_rank", "rank_chunks", "stage_layers"]
+__all__ = ["VirtualStage", "chunks_per_rank", "model_chunks", "rank_chunks", "stage_layers"]

@@ -61,8 +61,8 @@ class _Setup:
         self.cols = FeatureColumns.of(self.layout)
         self.layers = scenario.model.num_moe_layers
         self.micro = scenario.training.grad_accum_steps
-        self.tokens = scenario.tokens_per_micro_batch
-        self.seq_len = scenario.training.seq_len
+        self.tokens = scenario.routed_tokens_per_rank
+        self.seq_len = min(scenario.training.seq_len, self.tokens)  # a rank holds whole sequences or one shard
         self.rho = self.r.sequence_correlation
         self.mu = log_popularity(self.r, self.layers, self.model.num_experts)
         self.group_of_layer = popularity_layer_groups(self.r, self.layers)
@@ -129,7 +129,7 @@ def build_pooled(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = P
     ranks = np.arange(lay.world)
     pattern_of_cell = np.tile(cols.pattern_of_group[ranks // lay.ep], st.micro)
     cells = st.micro * lay.world
-    seqs = scenario.training.micro_batch_size
+    seqs = max(1, s_tok // st.seq_len)
     noise_rng = np.random.default_rng([st.r.seed, 13])
     type_rng = np.random.default_rng([st.r.seed, 17])
     cap = st.capacity()
@@ -246,7 +246,7 @@ def build_exact(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = PO
         g = int(st.group_of_layer[layer])
         for mb in range(st.micro):
             rng = np.random.default_rng([st.r.seed, 14, layer, mb])
-            n_seq = w * scenario.training.micro_batch_size
+            n_seq = w * max(1, s_tok // st.seq_len)
             latent = rng.standard_normal((n_seq, e), dtype=np.float32) if st.rho > 0 else None
             logits = sample_logits(rng, st.mu[layer], w * s_tok, st.seq_len, latent, st.rho)
             rt = route_tokens(logits, st.model, st.r.route_scale, policy, st.bias[g])

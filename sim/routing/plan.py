@@ -224,7 +224,7 @@ def route_scenario(
     )
     r, m = scenario.routing, scenario.model
     layout = ExpertLayout.of(scenario)
-    s_tok = scenario.tokens_per_micro_batch
+    s_tok = scenario.routed_tokens_per_rank
     if r.generator == "trace":
         arrays, used = build_from_trace(scenario, pol), "trace"
     else:

@@ -35,7 +35,8 @@ class ExpertLayout:
 
     @classmethod
     def of(cls, scenario: Scenario) -> ExpertLayout:
-        return cls(scenario.world_size, scenario.ep, scenario.model.num_experts, scenario.gpus_per_node)
+        """The ranks of one pipeline stage (all ranks without pipelining): every stage routes alike."""
+        return cls(scenario.layout.stage_size, scenario.ep, scenario.model.num_experts, scenario.gpus_per_node)
 
     @property
     def experts_per_rank(self) -> int:

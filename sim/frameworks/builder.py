@@ -1,0 +1,252 @@
+"""Build the :class:`~sim.frameworks.program.Program` of a scenario: per pipeline rank its model
+chunks' ops for one micro-batch and the pipeline schedule's instruction list.
+
+Per transformer layer, forward (Megatron-Core's order and span names):
+``[tp all-gather] attention [tp reduce-scatter]`` (all-reduce instead without sequence parallelism),
+then MoE ``route permute [capacity sync] dispatch [etp all-gather] experts [etp reduce-scatter]
+combine unpermute shared_experts`` or dense ``[tp all-gather] mlp [tp reduce-scatter]``. Backward
+mirrors it (the gradient of an all-gather is a reduce-scatter and vice versa; the gradient of combine
+runs in the dispatch direction). Full recompute runs the layer's forward again, collectives included,
+before its backward; selective recompute (Megatron ``recompute_modules`` layernorm + moe_act) adds the
+norms and the expert activations. The first model stage starts with the embedding, the last ends
+with the LM head and loss (and DeepSeek-V3's MTP modules); gradients are handed to the comm stream
+after each layer's backward (:mod:`sim.frameworks.policies` decides when they are reduced).
+"""
+
+from __future__ import annotations
+
+from sim.frameworks import pipeline
+from sim.frameworks.policies import Policy, policy_of
+from sim.frameworks.program import (
+    CapacitySync,
+    Chunk,
+    EPAllToAll,
+    Grads,
+    GroupComm,
+    Kernel,
+    Kernels,
+    ParamGather,
+    Program,
+    StageProgram,
+    Tail,
+    WaitParams,
+)
+from sim.hardware.costs import CostModel, cpu_adam_time
+from sim.inputs.scenario import Scenario
+from sim.inputs.stages import VirtualStage, rank_chunks
+from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div, storage_dtype
+from sim.model.params import count_params, layer_params, layer_tensors, outer_tensors
+
+
+class _Layers:
+    """Op templates of one layer's forward and backward (see the module docstring)."""
+
+    def __init__(self, s: Scenario):
+        self.s, self.m = s, s.model
+        p, t = s.parallelism, s.training
+        self.tp, self.etp, self.cp, self.sp = p.tp, p.etp, p.cp, s.sequence_parallel
+        bpe = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
+        tokens = t.micro_batch_size * t.seq_len // p.cp
+        self.act_bytes = tokens * self.m.hidden_size * bpe  # a full activation of the TP group
+        self.routed = s.routed_tokens_per_rank
+        self.expert_bytes = self.routed * self.m.top_k * self.m.hidden_size * bpe  # mean tokens a rank's experts get
+        self.overlap = s.collectives.tp_comm_overlap
+        r = s.routing
+        self.capacity_sync = r.dispatch == "capacity_padded" and r.capacity_factor is None and s.ep > 1
+        self.moe_index: dict[int, int] = {}
+        k = 0
+        for i in range(self.m.num_layers):
+            if self.m.is_moe_layer(i):
+                self.moe_index[i] = k
+                k += 1
+
+    def _tp(self, i: int, name: str, first: bool) -> list:
+        """The TP collective before (``first``) or after a TP region of layer ``i``."""
+        if self.tp == 1:
+            return []
+        if self.sp:
+            kind = "all_gather" if first else "reduce_scatter"
+            return [GroupComm(f"tp_{kind}", kind, "tp", self.act_bytes, i, self.overlap)]
+        return [] if first else [GroupComm("tp_all_reduce", "all_reduce", "tp", self.act_bytes, i, self.overlap)]
+
+    def _etp(self, i: int, first: bool) -> list:
+        if self.etp == 1:
+            return []
+        kind = "all_gather" if first else "reduce_scatter"
+        return [GroupComm(f"etp_{kind}", kind, "etp", self.expert_bytes * self.etp, i)]
+
+    def forward(self, i: int) -> list:
+        moe = self.moe_index.get(i)
+        ops: list = [*self._tp(i, "attention", True), Kernels([Kernel("attention", i)], i), *self._tp(i, "attention", False)]
+        if moe is None:
+            return [*ops, *self._tp(i, "mlp", True), Kernels([Kernel("mlp", i)], i), *self._tp(i, "mlp", False)]
+        ops.append(Kernels([Kernel("route", i), Kernel("permute", i, moe)], i))
+        if self.capacity_sync:
+            ops.append(CapacitySync(moe, i))
+        ops += [EPAllToAll("dispatch", "dispatch", moe, i), *self._etp(i, True),
+                Kernels([Kernel("experts", i, moe)], i), *self._etp(i, False),
+                EPAllToAll("combine", "combine", moe, i)]  # fmt: skip
+        tail = [Kernel("unpermute", i, moe)] + ([Kernel("shared_experts", i)] if self.m.num_shared_experts else [])
+        ops.append(Kernels(tail, i))
+        return ops
+
+    def backward(self, i: int, recompute: str) -> list:
+        moe = self.moe_index.get(i)
+        ops: list = []
+        if recompute == "full":
+            ops += self.forward(i)
+        elif recompute == "selective":
+            ops.append(Kernels([Kernel("selective_recompute", i, moe)], i))
+        if moe is None:
+            ops += [*self._tp(i, "mlp", True), Kernels([Kernel("mlp", i)], i), *self._tp(i, "mlp", False)]
+        else:
+            head = [Kernel("unpermute", i, moe)] + ([Kernel("shared_experts", i)] if self.m.num_shared_experts else [])
+            ops += [Kernels(head, i), EPAllToAll("combine", "dispatch", moe, i), *self._etp(i, True),
+                    Kernels([Kernel("experts", i, moe)], i), *self._etp(i, False),
+                    EPAllToAll("dispatch", "combine", moe, i), Kernels([Kernel("permute", i, moe), Kernel("route", i)], i)]  # fmt: skip
+        return [*ops, *self._tp(i, "attention", True), Kernels([Kernel("attention", i)], i), *self._tp(i, "attention", False)]
+
+
+def _merge(ops: list) -> list:
+    """Adjacent kernel runs of the same layer as one :class:`Kernels` op (a compute segment)."""
+    out: list = []
+    for op in ops:
+        if isinstance(op, Kernels) and out and isinstance(out[-1], Kernels) and out[-1].layer == op.layer:
+            out[-1] = Kernels(out[-1].kernels + op.kernels, op.layer)
+        else:
+            out.append(op)
+    return out
+
+
+def _params(s: Scenario) -> tuple[dict[int, tuple[int, int]], int, int]:
+    """Per layer (non-expert, expert) parameters per rank; embedding and head parameters per rank."""
+    m, p = s.model, s.parallelism
+    out = {}
+    for i in range(m.num_layers):
+        lp = layer_params(m, i)
+        ne = (lp.attention + lp.dense_ffn) // p.tp + lp.shared_expert + lp.router + lp.norms
+        out[i] = (ne, lp.expert_each * s.experts_per_rank // p.etp)
+    counts = count_params(m)
+    layer_norms = sum(layer_params(m, i).norms for i in range(m.num_layers))
+    head = (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size) // p.tp + counts.norms - layer_norms
+    emb = counts.embedding // p.tp
+    return out, emb, head
+
+
+def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, emb: int, head: int) -> Chunk:
+    recompute = s.training.activation_checkpointing
+    every = pol.grads_every_micro
+    fwd: list = []
+    bwd: list = []
+    ne_total = sum(params[i][0] for i in vs.layers) + (emb if vs.embedding else 0) + (head if vs.head else 0)
+    ex_total = sum(params[i][1] for i in vs.layers)
+    if pol.step_gather:
+        fwd.append(ParamGather(f"step{vs.index}", ne_total, ex_total, first_micro_only=True))
+        fwd.append(WaitParams(f"step{vs.index}", first_micro_only=True))
+    if vs.embedding:
+        fwd.append(Kernels([Kernel("embedding", -1)], -1))
+    for j, i in enumerate(vs.layers):
+        if pol.layer_gathers:
+            if j == 0:
+                fwd.append(ParamGather(f"f{i}", *params[i]))
+            if j + 1 < len(vs.layers):
+                fwd.append(ParamGather(f"f{vs.layers[j + 1]}", *params[vs.layers[j + 1]]))
+            fwd.append(WaitParams(f"f{i}"))
+        fwd += layers.forward(i)
+    n = s.model.num_layers
+    if vs.head:
+        fwd.append(Kernels([Kernel("output", n)] + ([Kernel("mtp_proj", n)] if s.model.mtp_layers else []), n))
+        bwd.append(Kernels([Kernel("output", n)] + ([Kernel("mtp_proj", n)] if s.model.mtp_layers else []), n))
+        if head:
+            bwd.append(Grads(n, head, 0, every))
+    rev = list(reversed(vs.layers))
+    for j, i in enumerate(rev):
+        if pol.layer_gathers and pol.regather_for_backward:
+            if j == 0:
+                bwd.append(ParamGather(f"b{i}", *params[i]))
+            if j + 1 < len(rev):
+                bwd.append(ParamGather(f"b{rev[j + 1]}", *params[rev[j + 1]]))
+            bwd.append(WaitParams(f"b{i}"))
+        bwd += layers.backward(i, recompute)
+        bwd.append(Grads(i, *params[i], every))
+    if vs.embedding:
+        bwd.append(Kernels([Kernel("embedding", -1)], -1))
+        bwd.append(Grads(-1, emb, 0, every))
+    for k in range(len(bwd) - 1, -1, -1):  # the last hand-over of the backward flushes the buckets
+        if isinstance(bwd[k], Grads):
+            g = bwd[k]
+            bwd[k] = Grads(g.layer, g.nonexpert, g.expert, g.every_micro, flush=True)
+            break
+    weight = [Kernel("attention", i) for i in vs.layers]
+    weight += [Kernel("experts", i, layers.moe_index[i]) if i in layers.moe_index else Kernel("mlp", i) for i in vs.layers]
+    bpe = BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]
+    t, p = s.training, s.parallelism
+    send = t.micro_batch_size * t.seq_len // p.cp // (p.tp if s.sequence_parallel else 1) * s.model.hidden_size * bpe
+    return Chunk(vs.index, vs.rank, vs.chunk, vs.layers, _merge(fwd), _merge(bwd), weight, float(send), ne_total, ex_total)
+
+
+def _tail(s: Scenario, chunks: list[Chunk], pol: Policy, cost: CostModel) -> Tail:
+    m = s.model
+    ne = sum(c.params_nonexpert for c in chunks)
+    ex = sum(c.params_expert for c in chunks)
+    dp_shard = s.dp * s.parallelism.cp
+    opt = ceil_div(ne, dp_shard) + ceil_div(ex, s.edp) if pol.optimizer_sharded else ne + ex
+    offload = s.training.offload_optimizer == "cpu"
+    norm_s, groups = [], []
+    if pol.deepspeed_norm:  # DeepSpeed: each group's partial norm, all-reduced over dp (then experts over edp)
+        layers = [i for c in chunks for i in c.layers]
+        tensors = [layer_tensors(m, i) for i in layers]
+        ne_t = outer_tensors(m) + sum(t[0] for t in tensors)
+        norm_s.append(cost.grad_norm_time(ceil_div(ne_t, s.dp), ceil_div(ne, s.dp)))
+        groups.append("dp")
+        if ex:
+            ex_t = sum(t[1] * s.experts_per_rank for i, t in zip(layers, tensors, strict=True) if m.is_moe_layer(i))
+            norm_s.append(cost.grad_norm_time(ceil_div(ex_t, s.edp), ceil_div(ex, s.edp)))
+            groups += ["dp", "edp"]
+    else:  # one fused norm over the shard, all-reduced over every rank (Megatron's get_grad_norm_fp32)
+        norm_s.append(opt * 4 / cost.hbm_Bps + cost.launch_s)
+        groups.append("world")
+    rate = s.topology.node.cpu.adam_Gparams_per_s
+    return Tail(
+        optimizer_params=opt,
+        optimizer_s=0.0 if offload else cost.optimizer_time(opt),
+        norm_s=norm_s,
+        norm_groups=groups,
+        gather_nonexpert=ne if pol.post_step_gather else 0,
+        gather_expert=ex if pol.post_step_gather else 0,
+        offload_bytes=float(opt * BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]) if offload else 0.0,
+        cpu_adam_s=cpu_adam_time(opt, s.gpus_per_node, rate) if offload else 0.0,
+    )
+
+
+def build_program(s: Scenario, cost: CostModel) -> Program:
+    """The program of one training step of ``s`` (see the module docstring)."""
+    pol = policy_of(s)
+    p, t = s.parallelism, s.training
+    layers = _Layers(s)
+    params, emb, head = _params(s)
+    micro = t.grad_accum_steps
+    seqs = pipeline.build(p.schedule, p.pp, p.vpp, micro)
+    stages = []
+    for r, vss in enumerate(rank_chunks(s)):
+        chunks = [_chunk(s, vs, layers, pol, params, emb, head) for vs in vss]
+        for c in chunks:
+            c.chunk = vss.index(next(v for v in vss if v.index == c.stage_index))
+        if pol.grads_after_backward:  # ZeRO-0: everything after the last backward, in one flush
+            last = chunks[0]
+            last.bwd = [op for op in last.bwd if not isinstance(op, Grads)] + [
+                Grads(-1, sum(c.params_nonexpert for c in chunks), sum(c.params_expert for c in chunks), False, True)
+            ]
+            for c in chunks[1:]:
+                c.bwd = [op for op in c.bwd if not isinstance(op, Grads)]
+        last_micro = {}
+        for ins in seqs[r]:
+            if ins.kind == "B":
+                last_micro[ins.chunk] = max(last_micro.get(ins.chunk, -1), ins.micro)
+        stages.append(StageProgram(r, chunks, seqs[r], _tail(s, chunks, pol, cost), last_micro))
+    bpe = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
+    grad_bpe = 4 if t.grad_reduce_dtype == "fp32" else bpe
+    return Program(stages, p.schedule, micro, pol.grad_kind, grad_bpe, bpe, pol.name)
+
+
+__all__ = ["build_program"]

@@ -1,0 +1,191 @@
+"""Seconds of every kernel block on any set of ranks, with the layout's splits and the precision.
+
+The generalisation of :class:`sim.frameworks.kernels.KernelBlocks` for layouts and for lazy pricing:
+a block is priced for one micro-batch on the ranks asked for (positions of a pipeline stage), so the
+engine never holds a world-sized array per op. Splits (Megatron-Core):
+
+- tensor parallelism: column-parallel GEMMs (``linear_qkv``, ``linear_fc1``, MLA's up projections,
+  the LM head) split N by ``tp``, row-parallel ones (``linear_proj``, ``linear_fc2``) split K; the
+  attention core splits its heads; with sequence parallelism norms and residuals see ``T / tp`` rows;
+- context parallelism: every rank holds ``seq / cp`` tokens; the attention core computes its queries
+  against all keys (``1 / cp`` of the FLOPs, load-balanced causal chunks);
+- expert tensor parallelism: expert GEMMs split like the dense FFN by ``etp``;
+- FP8 / MXFP8: GEMMs at the FP8 peak (the cost model's ``fp8``/``mxfp8`` curves), plus a cast of
+  each GEMM's inputs (read bf16, write 1 byte) per pass; everything else stays bf16.
+
+Backward GEMMs cost the input gradient (``dgrad``) plus the weight gradient (``wgrad``); a
+zero-bubble backward prices ``dgrad`` only and the deferred ``W`` pass the ``wgrad`` part.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from sim.frameworks.dispatcher import dispatcher_work
+from sim.frameworks.kernels import ATTENTION_BWD_FACTOR
+from sim.hardware.costs import CostModel
+from sim.inputs.scenario import Scenario
+from sim.model.dtypes import BYTES_PER_ELEMENT, gemm_dtype, storage_dtype
+from sim.model.flops import (
+    Gemm,
+    attention_core_flops_layer,
+    attention_gemms,
+    dense_ffn_gemms,
+    expert_activation_passes,
+    expert_gemms,
+    lm_head_gemm,
+    mtp_gemms,
+    router_gemm,
+    shared_expert_gemms,
+)
+from sim.routing.plan import RoutingPlan
+
+#: GEMMs split along N (column-parallel) under tensor parallelism; the rest of the TP-split ones along K.
+_COLUMN = ("linear_qkv", "linear_q", "linear_q_up", "linear_kv_up", "linear_fc1", "output_layer")
+_ROW = ("linear_proj", "linear_fc2")
+#: Passes a block is priced for.
+PASSES = ("fwd", "bwd", "bwd_input", "bwd_weight")
+
+
+def tp_split(g: Gemm, tp: int) -> Gemm:
+    """The shard of ``g`` one of ``tp`` ranks multiplies (replicated when neither column nor row parallel)."""
+    base = g.name.rsplit(".", 1)[-1]
+    if tp == 1:
+        return g
+    if base in _COLUMN:
+        return Gemm(g.name, max(1, g.n // tp), g.k)
+    if base in _ROW:
+        return Gemm(g.name, g.n, max(1, g.k // tp))
+    return g
+
+
+class Pricer:
+    """Kernel seconds of a scenario's blocks: ``price(name, layer, moe, micro, part, ranks)``."""
+
+    def __init__(self, s: Scenario, plan: RoutingPlan | None, cost: CostModel, factor: np.ndarray):
+        self.s, self.plan, self.cost = s, plan, cost
+        self.factor = np.asarray(factor, dtype=np.float64) * cost.compute_scale  # per global rank
+        p, m, t = s.parallelism, s.model, s.training
+        self.m, self.tp, self.cp, self.etp = m, p.tp, p.cp, p.etp
+        self.sp = s.sequence_parallel
+        self.dt = gemm_dtype(t.dtype)
+        self.bpe = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
+        self.fp8 = t.dtype in ("fp8", "mxfp8")
+        #: tokens of a micro-batch a rank's GEMMs see (full sequence shard after SP all-gathers)
+        self.T = t.micro_batch_size * t.seq_len // p.cp
+        #: tokens a rank holds between TP regions (norms, residual, the router): T / tp with SP
+        self.T_sp = self.T // p.tp if self.sp else self.T
+        self._scalar: dict[tuple, tuple[float, float, float, float]] = {}
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _mem(self, nbytes: float, kernels: int = 1) -> float:
+        return nbytes / self.cost.hbm_Bps + kernels * self.cost.launch_s if nbytes > 0 else 0.0
+
+    def _gemm(self, g: Gemm, rows: np.ndarray | float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(fwd, dgrad, wgrad, FLOPs) of ``g`` on ``rows`` (array or scalar), cast costs included."""
+        r = np.atleast_1d(np.asarray(rows, dtype=np.float64))
+        fwd, bwd = self.cost.gemm_train_times(r, g.n, g.k, self.dt)
+        dgrad = self.cost.gemm_times(r, g.k, g.n, self.dt)
+        wgrad = bwd - dgrad
+        if self.fp8:  # quantize each GEMM's inputs: read bf16, write 1 byte (+ scales), one kernel each
+            per = (self.bpe + 1) / self.cost.hbm_Bps
+            used = r > 0
+            weight = g.n * g.k * per + self.cost.launch_s  # the weight, once per pass
+            fwd = fwd + np.where(used, r * g.k * per + self.cost.launch_s + weight, 0.0)
+            dgrad = dgrad + np.where(used, r * g.n * per + self.cost.launch_s + weight, 0.0)
+        return fwd, dgrad, wgrad, 2.0 * r * g.n * g.k
+
+    def _gemms(self, gemms: list[Gemm], rows, split: int) -> tuple[float | np.ndarray, ...]:
+        f = d = w = fl = 0.0
+        for g in gemms:
+            a, b, c, x = self._gemm(tp_split(g, split), rows)
+            f, d, w, fl = f + a, d + b, w + c, fl + x
+        return f, d, w, fl
+
+    # ---- blocks -------------------------------------------------------------------------------
+    def _static(self, name: str, layer: int) -> tuple[float, float, float, float]:
+        """(fwd, dgrad-like backward, wgrad, FLOPs) of a block that does not depend on routing."""
+        key = (name, layer if name == "attention" else None)
+        hit = self._scalar.get(key)
+        if hit is not None:
+            return hit
+        m, T, Tsp, bpe, d, tp = self.m, self.T, self.T_sp, self.bpe, self.m.hidden_size, self.tp
+        norm = self._mem(2 * Tsp * d * bpe)
+        if name == "embedding":
+            e = self._mem(2 * Tsp * d * bpe)
+            out = (e, e, 0.0, 0.0)
+        elif name == "attention":
+            f, dg, wg, fl = self._gemms(attention_gemms(m), T, tp)
+            seq = self.s.training.seq_len
+            core = attention_core_flops_layer(m, seq, layer) * self.s.training.micro_batch_size / (self.cp * tp)
+            io = 4 * T * (m.num_attention_heads // tp) * m.head_size * bpe
+            core_dt = "bf16" if self.fp8 else self.dt  # FlashAttention runs bf16 under FP8 recipes
+            cf = self.cost.attention_time(core, io, core_dt)
+            cb = self.cost.attention_time(ATTENTION_BWD_FACTOR * core, 2 * io, core_dt)
+            extra = norm + self._mem(3 * Tsp * d * bpe, kernels=2)  # rope, residual
+            out = (float(f[0]) + cf + extra, float(dg[0]) + cb + 2 * extra, float(wg[0]), float(fl[0]) + core)
+        elif name == "mlp":
+            f, dg, wg, fl = self._gemms(dense_ffn_gemms(m), T, tp)
+            out = (float(f[0]) + norm, float(dg[0]) + 2 * norm, float(wg[0]), float(fl[0]))
+        elif name == "shared_experts":
+            f, dg, wg, fl = self._gemms(shared_expert_gemms(m), Tsp, 1)
+            out = (float(f[0]), float(dg[0]), float(wg[0]), float(fl[0])) if shared_expert_gemms(m) else (0.0,) * 4
+        elif name == "route":
+            f, dg, wg, fl = self._gemms([router_gemm(m)], Tsp, 1)
+            r = self.s.routing
+            drop = not (r.dispatch == "dropless" or r.capacity_factor is None)
+            of, bf, ob, bb = dispatcher_work("gate", Tsp, d, m.num_experts, m.top_k, 0.0, drop, bpe)
+            tf = float(self.cost.dispatcher_time(np.asarray(bf), of))
+            tb = float(self.cost.dispatcher_time(np.asarray(bb), ob))
+            out = (float(f[0]) + norm + tf, float(dg[0]) + 2 * norm + tb, float(wg[0]), float(fl[0]))
+        elif name == "output":
+            f, dg, wg, fl = self._gemms([lm_head_gemm(m)], T if tp > 1 else Tsp, tp)
+            ce = self._mem(2 * Tsp * m.vocab_size / tp * 4, kernels=2)
+            out = (float(f[0]) + norm + ce, float(dg[0]) + norm + ce, float(wg[0]), float(fl[0]))
+        elif name == "mtp_proj":
+            f, dg, wg, fl = self._gemms(mtp_gemms(m), Tsp, 1)
+            out = (float(f[0]) + 2 * norm, float(dg[0]) + 2 * norm, float(wg[0]), float(fl[0])) if m.mtp_layers else (0.0,) * 4
+        else:
+            raise ValueError(f"unknown block {name!r}")
+        self._scalar[key] = out
+        return out
+
+    def _routed(self, name: str, moe: int, micro: int, q: np.ndarray):
+        """(fwd, dgrad, wgrad, FLOPs) arrays over stage positions ``q`` of a routing-dependent block."""
+        plan, m, d, bpe = self.plan, self.m, self.m.hidden_size, self.bpe
+        assert plan is not None
+        if name == "experts":
+            rows = plan.expert_load(moe, micro)[q]  # (n, experts_per_rank)
+            width = (m.moe_ffn_hidden_size or d) // self.etp
+            f = dg = wg = fl = np.zeros(len(q))
+            passes = (3 if m.ffn_type == "gated" else 2) + expert_activation_passes(m)
+            for e in range(rows.shape[1]):
+                a, b, c, x = self._gemms(expert_gemms(m), rows[:, e], self.etp)
+                act = np.where(rows[:, e] > 0, rows[:, e] * width * bpe * passes / self.cost.hbm_Bps + self.cost.launch_s, 0.0)
+                f, dg, wg, fl = f + a + act, dg + b + 2 * act, wg + c, fl + x
+            return f, dg, wg, fl
+        if plan.padded is not None:  # DeepSpeed's sparse routes into / out of E x C slots
+            c = np.repeat(plan.padded[moe, micro].astype(np.float64), self.s.ep)[q]
+            of, bf, ob, bb = dispatcher_work("encode" if name == "permute" else "decode", self.T_sp, d,
+                                             m.num_experts, m.top_k, m.num_experts * c, True, bpe)  # fmt: skip
+            z = np.zeros(len(q))
+            return self.cost.dispatcher_time(bf, of), self.cost.dispatcher_time(bb, ob), z, z
+        copies = plan.kept[moe, micro][q].sum(axis=1).astype(np.float64)
+        g = self.cost.dispatcher_time(2 * copies * d * bpe, 1)  # permute: gather; unpermute: weighted scatter
+        z = np.zeros(len(q))
+        return g, g, z, z
+
+    def price(self, name: str, layer: int, moe: int | None, micro: int, part: str, q: np.ndarray,
+              stage: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        """(seconds, FLOPs) of block ``name`` of ``layer`` for pass ``part`` on stage positions ``q`` of
+        pipeline stage ``stage`` (stragglers and the calibrated compute scale applied)."""
+        if name in ("experts", "permute", "unpermute"):
+            f, dg, wg, fl = self._routed(name, moe, micro, q)
+        else:
+            f, dg, wg, fl = (np.full(len(q), x) for x in self._static(name, layer))
+        secs = {"fwd": f, "bwd": dg + wg, "bwd_input": dg, "bwd_weight": wg}[part]
+        flops = fl if part == "fwd" else fl * (2.0 if part == "bwd" else 1.0)
+        return secs * self.factor[q + stage * self.s.layout.stage_size], flops
+
+
+__all__ = ["PASSES", "Pricer", "tp_split"]
