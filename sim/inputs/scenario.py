@@ -191,9 +191,10 @@ class Scenario(StrictModel):
                 field="parallelism.ep",
             )
         if stage % (ep * p.etp):
+            ranks = (f"the world size ({world})" if stage == world
+                     else f"the {stage} ranks of a pipeline stage (tp x cp x dp)")  # fmt: skip
             raise InputError(
-                f"ep x etp = {ep} x {p.etp} must divide the {stage} ranks of a pipeline stage (tp x cp x dp); "
-                f"choose ep in {_divisors(experts, stage // p.etp)}",
+                f"ep x etp = {ep} x {p.etp} must divide {ranks}; choose ep in {_divisors(experts, stage // p.etp)}",
                 field="parallelism.ep",
             )
         r = self.routing
