@@ -237,22 +237,24 @@ class Comm:
         return self.link_bytes + self.net.link_bytes + direct
 
 
-#: Size at which :func:`reduction_model` measures a ring; every term it keeps is linear in the size.
-_REF_BYTES = 1 << 30
-
-
 def reduction_model(cluster: Cluster, kind: str, group: list[int], algo: str) -> tuple[float, float, np.ndarray]:
-    """``(seconds per byte, latency s, link bytes per byte)`` of a ring collective over ``group``:
-    :func:`~sim.network.closed_form.estimate_time_s` is the sum over phases of the busiest link's
-    bytes / bandwidth (linear in the size: every chunk is a fixed fraction of it) plus the latency
-    chain (independent of it), so one DAG per group serves every bucket size."""
+    """``(seconds per byte, latency s, link bytes per byte)`` of a ``kind`` over ``group``: the sum over
+    the DAG's phases of the busiest link's bytes / bandwidth (linear in the size: every chunk is a fixed
+    fraction of it) plus the latency chain, as :func:`~sim.network.closed_form.estimate_time_s`. A ring
+    takes :func:`sim.network.group_times.ring_model` (the same figures from one ring step); the
+    hierarchical all-reduce its DAG at a reference size."""
+    if algo == "ring":
+        from sim.network.group_times import ring_model
+
+        return ring_model(cluster, kind, group, link_bytes=True)
     from sim.network.closed_form import dag_critical_latency_s
 
-    dag = reduction_dag(cluster, kind, group, float(_REF_BYTES), algo)
+    ref = float(1 << 30)
+    dag = reduction_dag(cluster, kind, group, ref, algo)
     latency = dag_critical_latency_s(cluster, dag)
     by_phase = dag_link_bytes(cluster, dag, by_phase=True)
     serial = float((by_phase / cluster.link_bw_Bps).max(axis=1).sum())  # as in estimate_time_s
-    return serial / _REF_BYTES, latency, by_phase.sum(axis=0) / _REF_BYTES
+    return serial / ref, latency, by_phase.sum(axis=0) / ref
 
 
 def group_node_bytes(cluster: Cluster, group: list[int], node_matrix: np.ndarray) -> np.ndarray:
