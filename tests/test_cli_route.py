@@ -65,7 +65,7 @@ def test_route_output_is_deterministic(cli, tmp_path):
     [
         (["--touched", "1,x"], "--touched"),
         (["--touched", "0"], "--touched"),
-        (["--policy", "node_limited:M=9"], "--policy"),
+        (["--policy", "node_limited:M=0"], "--policy"),
         (["--policy", "random"], "--policy"),
         (["--set", "routing.skew=-1"], "routing.skew"),
     ],
@@ -74,6 +74,31 @@ def test_bad_input_exits_2_naming_the_field(cli, args, field):
     proc = cli("route", str(SCENARIOS / "cpu-2rank.yaml"), *args)
     assert proc.returncode == 2, proc.stderr
     assert field in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_an_m_that_limits_nothing_runs_as_topk_with_a_note(cli):
+    """As compare does (sim.studies.compare.effective_policy): M at or above the groups one EP group
+    spans runs with a note, and routes exactly as topk on the same seed."""
+    scen = str(SCENARIOS / "cpu-2rank.yaml")
+    proc = cli("route", scen, "--policy", "node_limited:M=9", "--json", "-")
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["policy"] == "node_limited:M=9" and out["ran_as"] == "node_limited:M=1"
+    assert out["note"] == "M=9 >= the 1 node one EP group spans: no limit, run as M=1 (= topk)"
+    topk = json.loads(cli("route", scen, "--policy", "topk", "--json", "-").stdout)
+    assert out["summary"] == topk["summary"] and out["per_layer"] == topk["per_layer"]
+    table = cli("route", scen, "--policy", "device_limited:M=3")
+    assert table.returncode == 0, table.stderr
+    assert "note: device_limited:M=3: M=3 >= the 2 devices one EP group spans" in table.stdout
+    limited = json.loads(cli("route", scen, "--policy", "device_limited:M=1", "--json", "-").stdout)
+    assert "note" not in limited and limited["policy"] == "device_limited:M=1"
+
+
+def test_route_128gpu_node_limited_m4_runs_like_compare(cli):
+    """The issue's command: EP16 spans 2 nodes, so M=4 limits nothing (exit 0 and a note)."""
+    proc = cli("route", str(SCENARIOS / "128gpu.yaml"), "--policy", "node_limited:M=4", "--touched", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "note: node_limited:M=4: M=4 >= the 2 nodes one EP group spans: no limit, run as M=2 (= topk)" in proc.stdout
 
 
 @pytest.mark.slow

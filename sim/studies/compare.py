@@ -79,6 +79,8 @@ def effective_policy(s: Scenario, text: str | None) -> tuple[str | None, str | N
     if m <= groups:
         return text, None
     word = "nodes" if name == "node_limited" else "devices"
+    if groups == 1:
+        word = word[:-1]
     return f"{name}:M={groups}", f"M={m} >= the {groups} {word} one EP group spans: no limit, run as M={groups} (= topk)"
 
 
