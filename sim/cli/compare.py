@@ -34,12 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="for a scenario with faults: add a row with the faults removed after each case")  # fmt: skip
     add_engine_arguments(parser)
     parser.add_argument("--plot", metavar="PNG", help="grouped bars: step time split, inter-node bytes, load, gate mass")
-    parser.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (it shows on a terminal only)")
     add_force_argument(parser, "cases")
     add_json_argument(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from sim.reports.progress import reporting
     from sim.studies.compare import format_table, plot_compare, run_compare
     from sim.studies.sweep import parse_varies
 
@@ -47,15 +48,9 @@ def run(args: argparse.Namespace) -> int:
     for p in args.policy:
         _check_policy(p)
 
-    def progress(i: int, n: int, case) -> None:
-        if not args.no_progress:
-            what = case.policy or "scenario policy"
-            extra = f" {', '.join(case.overrides)}" if case.overrides else ""
-            print(f"[{i + 1}/{n}] {what}{extra}{' (healthy)' if case.healthy else ''}", file=sys.stderr, flush=True)
-
-    doc = run_compare(args.scenario, args.overrides, args.policy, varies, engine=args.engine,
-                      comm_model=args.comm_model, healthy=args.healthy, progress=progress,
-                      force=args.force)  # fmt: skip
+    with reporting("compare", enabled=not args.no_progress):  # a bar on a terminal, one part per case
+        doc = run_compare(args.scenario, args.overrides, args.policy, varies, engine=args.engine,
+                          comm_model=args.comm_model, healthy=args.healthy, force=args.force)  # fmt: skip
     if args.plot:
         try:
             plot_compare(args.plot, doc)

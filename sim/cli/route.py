@@ -46,6 +46,7 @@ def parse_touched(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sim.reports.progress import reporting
     from sim.routing.plan import route_scenario
     from sim.studies.compare import effective_policy
 
@@ -53,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
     scenario = scenario_from_args(args)
     check_resources(scenario, engine="route", force=args.force)
     policy, note = effective_policy(scenario, args.policy)  # an M that limits nothing runs, as in compare
-    plan = route_scenario(scenario, policy, method=args.method)
-    stats = plan.summary()
+    with reporting("route"):  # a bar on a terminal after 2 s
+        plan = route_scenario(scenario, policy, method=args.method)
+        stats = plan.summary()
     result: dict[str, Any] = {
         "scenario": scenario.name,
         "policy": args.policy if note else plan.policy,

@@ -16,6 +16,7 @@ from sim.cli.common import (
 )
 from sim.errors import InputError
 from sim.ioutil import write_json
+from sim.reports.progress import reporting
 from sim.studies.guard import check_resources
 
 
@@ -71,8 +72,9 @@ def run(args: argparse.Namespace) -> int:
             parse_ranks(args.trace_ranks, scenario.world_size) if args.trace_ranks else default_trace_ranks(scenario)
         )
     t0 = time.perf_counter()
-    result = simulate(scenario, engine=args.engine, comm_model=args.comm_model, policy=args.policy,
-                      trace_ranks=trace_ranks)  # fmt: skip
+    with reporting("simulate"):  # a bar on a terminal after 2 s; the engine reports into it
+        result = simulate(scenario, engine=args.engine, comm_model=args.comm_model, policy=args.policy,
+                          trace_ranks=trace_ranks)  # fmt: skip
     wall = time.perf_counter() - t0
     spans = result.pop("_spans", None)
     if args.trace:

@@ -16,6 +16,7 @@ from typing import Any
 from sim.api import load_scenario
 from sim.errors import InputError
 from sim.inputs.scenario import Scenario, parse_policy
+from sim.reports.progress import part
 
 MG = "routing.max_groups"
 
@@ -123,9 +124,10 @@ def row(case: Case, result: dict[str, Any]) -> dict[str, Any]:
 
 def run_compare(
     scenario_path: str, base: list[str], policies: list[str], varies, *, engine: str = "des",
-    comm_model: str = "auto", healthy: bool = False, progress=None, force: bool = False,
+    comm_model: str = "auto", healthy: bool = False, force: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
-    """Simulate every case (validated up front); rows in case order, speed-up against the first."""
+    """Simulate every case (validated up front); rows in case order, speed-up against the first.
+    Each case is one part of the progress a command shows (:mod:`sim.reports.progress`)."""
     from sim.engine.simulate import has_faults, simulate
     from sim.hardware.faults import without_faults
     from sim.routing.policy import RoutingPolicy
@@ -155,9 +157,8 @@ def run_compare(
             loaded.append((Case(c.policy, c.overrides, c.values, healthy=True), without_faults(s), policy, note))
     rows = []
     for i, (c, s, policy, note) in enumerate(loaded):
-        if progress is not None:
-            progress(i, len(loaded), c)
-        r = row(c, simulate(s, engine=engine, comm_model=comm_model, policy=policy, healthy=False))
+        with part(i, len(loaded), f"case {i + 1}/{len(loaded)} {case_label(c, {'policy': c.policy or s.routing.policy})}"):
+            r = row(c, simulate(s, engine=engine, comm_model=comm_model, policy=policy, healthy=False))
         if note:
             r["policy"] = case_label(c, {"policy": c.policy})  # the M asked for, not the one run
             r["note"] = note

@@ -10,11 +10,11 @@ widening a ``--vary`` list later reuses the points already run.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import json
 import os
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +25,7 @@ import yaml
 from sim.api import load_scenario
 from sim.errors import InputError
 from sim.inputs.scenario import Scenario, apply_override
+from sim.reports.progress import part, report, reporting
 
 JSONL_VERSION = 1
 
@@ -266,8 +267,10 @@ def run_local(
 ) -> None:  # fmt: skip
     """Run ``jobs`` (index, scenario) in-process (``workers == 1``) or on a spawned process pool."""
     if workers <= 1 or len(jobs) <= 1:
-        for i, s in jobs:
-            on_result(i, run_point(s, engine, comm_model))
+        for j, (i, s) in enumerate(jobs):
+            with part(j, len(jobs)):  # the engine's progress inside run j of the bar
+                result = run_point(s, engine, comm_model)
+            on_result(i, result)
         return
     import multiprocessing as mp
     from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
@@ -315,22 +318,14 @@ def run_sweep(
     todo = [(i, s) for i, (pt, s) in enumerate(zip(points, scenarios, strict=True)) if pt.key not in done]
     results: dict[int, dict[str, Any]] = {}
     log = RunLog(jsonl, header, fresh=fresh)
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(points), initial=resumed, desc="sweep", unit="run", file=sys.stderr,
-                   dynamic_ncols=True)  # fmt: skip
 
     def on_result(i: int, result: dict[str, Any]) -> None:
         rec = {"overrides": points[i].values, **result}
         log.append(rec)
         results[i] = rec
-        if bar is not None:
-            bar.set_postfix_str(points[i].label, refresh=False)
-            bar.update(1)
+        report(len(results), points[i].label)
 
-    try:
+    with reporting("sweep", total=len(todo), unit="runs", enabled=progress), contextlib.closing(log):
         if backend == "ray":
             from sim.studies.sweep_ray import run_ray
 
@@ -339,10 +334,6 @@ def run_sweep(
             run_local(todo, engine, comm_model, jobs, on_result)
         else:
             raise InputError(f"backend must be local or ray, not {backend!r}", field="--backend")
-    finally:
-        log.close()
-        if bar is not None:
-            bar.close()
     runs = [results[i] if i in results else done[pt.key] for i, pt in enumerate(points)]
     return {
         "scenario": scenarios[0].name if scenarios else None,
