@@ -150,7 +150,8 @@ def test_sigint_during_a_long_64_node_simulate_leaves_the_old_json(tmp_path):
     out = tmp_path / "out.json"
     out.write_text(OLD)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "sim", "simulate", str(BIG), "--set", "cluster.nodes=64", "--json", str(out)],
+        [sys.executable, "-m", "sim", "simulate", str(BIG), "--set", "cluster.nodes=64", "--fidelity", "full",
+         "--json", str(out)],
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         # default SIGINT disposition in the child, so Python installs its Ctrl-C handler even when
         # this test process inherited SIGINT ignored (a background job of a shell, nohup)

@@ -404,7 +404,7 @@ def test_spans_never_overlap_and_the_step_beats_no_lower_bound(p):
     s = make(p)
     world = s.world_size
     plan = route_scenario(s)
-    r = simulate(s, plan=plan, trace_ranks=set(range(world)))
+    r = simulate(s, plan=plan, trace_ranks=set(range(world)), fidelity="full")
     step = r["step_time_s"]
     spans = r["_spans"]
     by_stream: dict[tuple[int, str], list] = {}

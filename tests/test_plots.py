@@ -9,8 +9,8 @@ from test_compare import png_size
 
 from sim.api import load_scenario
 from sim.cli.main import main
-from sim.engine.spans import Span
 from sim.engine.simulate import simulate
+from sim.engine.spans import Span
 from sim.errors import InputError
 from sim.reports.plots import _layer_window, rank_totals, step_plots, sweep_x_key
 from sim.studies.sweep import parse_varies

@@ -13,8 +13,8 @@ import pytest
 from hw_validate.calibrate_fit import fit_wake
 from hw_validate.validate import predicted_phases
 from sim.api import load_scenario
-from sim.engine.spans import Span
 from sim.engine.simulate import cost_model, simulate
+from sim.engine.spans import Span
 from sim.engine.step import build_step
 from sim.frameworks.ops import AllToAll, CapacitySync, Compute, Tail
 from sim.host.cpu_ranks import WAKE_KERNEL, apply_wake_delay

@@ -23,6 +23,13 @@ from sim.studies.guard import check_resources
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scenario_arguments(parser)
     add_engine_arguments(parser)
+    parser.add_argument(
+        "--fidelity",
+        choices=("folded", "full"),
+        default="folded",
+        help="folded (default): the DES follows the lanes that can set the pace and accounts for the others "
+        "by estimate (the output says what it folded); full: every rank simulated, the exact reference",
+    )
     parser.add_argument("--policy", metavar="P", help="override routing.policy: topk, node_limited:M=2, ...")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace-event JSON of the step")
     parser.add_argument("--trace-flows", action="store_true",
@@ -74,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with reporting("simulate"):  # a bar on a terminal after 2 s; the engine reports into it
         result = simulate(scenario, engine=args.engine, comm_model=args.comm_model, policy=args.policy,
-                          trace_ranks=trace_ranks)  # fmt: skip
+                          trace_ranks=trace_ranks, fidelity=args.fidelity)  # fmt: skip
     wall = time.perf_counter() - t0
     spans = result.pop("_spans", None)
     if args.trace:

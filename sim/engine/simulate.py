@@ -75,11 +75,17 @@ def simulate(
     plan=None,
     healthy: bool = True,
     draw: int = 0,
+    fidelity: str = "folded",
 ) -> dict[str, Any]:
     """Simulate one step of ``s``; returns the JSON-ready result (and ``_spans`` when tracing).
     A scenario with ``faults`` is also run on the healthy cluster (``healthy=False`` skips it): the
     result's ``faults`` section gives the slowdown and who waited on whom. ``draw``: which
-    independent draw of the calibrated rank noise (sim.engine.step.build_step; default 0)."""
+    independent draw of the calibrated rank noise (sim.engine.step.build_step; default 0).
+
+    Which engine: CPU-rank scenarios (host effects, the validation path) and ``engine="analytic"``
+    run the per-rank schedule of :mod:`sim.engine.step`; ``fidelity="full"`` of a DeepSpeed
+    data + expert parallel layout the per-rank reference engine (:mod:`sim.engine.des`); everything
+    else the layout-aware lane engine (:mod:`sim.engine.layout_step`), folded by default."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     from sim.routing.plan import route_scenario
@@ -91,8 +97,15 @@ def simulate(
     factor = compute_factors(s)
     from sim.hardware.faults import jitter_sampler
 
-    sched = build_step(s, plan, cost, factor, jitter_sampler(s), draw=draw)
     cluster = _cluster(s)
+    if engine == "des" and uses_lane_engine(s, fidelity, comm_model):
+        from sim.engine.layout_step import layout_core
+
+        core = layout_core(s, plan, cost, cluster, factor, fidelity, trace_ranks)
+        spans = core.pop("_spans")
+        out = _assemble(s, plan, None, core, engine)
+        return _finish(s, out, spans, trace_ranks, healthy, plan, engine, comm_model, policy, draw, fidelity)
+    sched = build_step(s, plan, cost, factor, jitter_sampler(s), draw=draw)
     if engine == "analytic":
         from sim.engine.analytic import analytic_step
 
@@ -105,10 +118,34 @@ def simulate(
         core = _from_engine(s, res)
         spans = res.spans
     out = _assemble(s, plan, sched, core, engine)
+    return _finish(s, out, spans, trace_ranks, healthy, plan, engine, comm_model, policy, draw, fidelity)
+
+
+def uses_lane_engine(s: Scenario, fidelity: str, comm_model: str = "auto") -> bool:
+    """Whether ``s`` runs on the layout-aware lane engine (see :func:`simulate`); the ``flow`` comm
+    model exists only in the per-rank engine, for DeepSpeed data + expert parallel layouts."""
+    if s.topology.gpu.is_cpu_host:
+        return False
+    p = s.parallelism
+    plain = (p.tp == p.cp == p.pp == p.etp == 1 and s.training.framework == "deepspeed"
+             and s.training.dtype not in ("fp8", "mxfp8") and s.collectives.all_to_all in ("direct", "hierarchical")
+             and not s.collectives.a2a_overlap)  # fmt: skip
+    if comm_model == "flow":
+        if not plain:
+            from sim.errors import InputError
+
+            raise InputError("the flow comm model runs DeepSpeed data + expert parallel layouts only (no tp, cp, "
+                             "pp, etp, fp8, deepep/hybridep or a2a overlap); use ps or auto", field="--comm-model")  # fmt: skip
+        return False
+    return not (fidelity == "full" and plain)
+
+
+def _finish(s, out, spans, trace_ranks, healthy, plan, engine, comm_model, policy, draw, fidelity):
     if healthy and has_faults(s):
         from sim.hardware.faults import describe_faults, without_faults
 
-        base = simulate(without_faults(s), engine, comm_model, policy, plan=plan, healthy=False, draw=draw)
+        base = simulate(without_faults(s), engine, comm_model, policy, plan=plan, healthy=False, draw=draw,
+                        fidelity=fidelity)
         out["faults"] = {
             "step_time_s": out["step_time_s"],
             "healthy_step_time_s": base["step_time_s"],
@@ -148,8 +185,11 @@ def _from_engine(s: Scenario, res) -> dict[str, Any]:
             "optimizer": by_key["optimizer"],
             "exposed_comm": by_key["exposed_comm"],
             "imbalance_wait": by_key["imbalance_wait"],
+            "pipeline_bubble": 0.0,
+            "tp_comm": 0.0,
         },
-        "critical_rank_breakdown_s": {**crit, "grad_sync": float(res.grad_sync_s[c])},
+        "critical_rank_breakdown_s": {**crit, "grad_sync": float(res.grad_sync_s[c]), "pipeline_bubble": 0.0,
+                                      "tp_comm": 0.0},
         "phases_s": {k: float(v[c]) for k, v in sorted(res.by_name.items())},
         "ranks": {
             "end_min_s": float(spread.min()),
@@ -215,8 +255,9 @@ def _assemble(s: Scenario, plan, sched, core: dict[str, Any], engine: str) -> di
         },
         "memory": mem.as_dict(),
         "params": {"total": counts.total, "active": counts.active},
-        "layout": {"dp": s.dp, "ep": s.ep, "edp": s.edp, "nodes": s.cluster.nodes,
-                   "gpus_per_node": s.gpus_per_node, "zero_stage": s.parallelism.zero_stage},  # fmt: skip
+        "layout": {**s.layout.describe(), "nodes": s.cluster.nodes, "gpus_per_node": s.gpus_per_node,
+                   "zero_stage": s.parallelism.zero_stage, "framework": t.framework,
+                   "pp_schedule": s.parallelism.schedule},  # fmt: skip
     }
     for k in ("critical_rank", "critical_rank_breakdown_s", "phases_s", "ranks", "link_bytes_by_kind", "simulator"):
         if k in core:

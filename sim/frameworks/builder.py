@@ -94,7 +94,7 @@ class _Layers:
         moe = self.moe_index.get(i)
         ops: list = []
         if recompute == "full":
-            ops += self.forward(i)
+            ops += [Kernels(op.kernels, op.layer, "fwd") if isinstance(op, Kernels) else op for op in self.forward(i)]
         elif recompute == "selective":
             ops.append(Kernels([Kernel("selective_recompute", i, moe)], i))
         if moe is None:
@@ -111,8 +111,9 @@ def _merge(ops: list) -> list:
     """Adjacent kernel runs of the same layer as one :class:`Kernels` op (a compute segment)."""
     out: list = []
     for op in ops:
-        if isinstance(op, Kernels) and out and isinstance(out[-1], Kernels) and out[-1].layer == op.layer:
-            out[-1] = Kernels(out[-1].kernels + op.kernels, op.layer)
+        prev = out[-1] if out else None
+        if isinstance(op, Kernels) and isinstance(prev, Kernels) and (prev.layer, prev.phase) == (op.layer, op.phase):
+            out[-1] = Kernels(prev.kernels + op.kernels, op.layer, op.phase)
         else:
             out.append(op)
     return out
@@ -127,9 +128,10 @@ def _params(s: Scenario) -> tuple[dict[int, tuple[int, int]], int, int]:
         ne = (lp.attention + lp.dense_ffn) // p.tp + lp.shared_expert + lp.router + lp.norms
         out[i] = (ne, lp.expert_each * s.experts_per_rank // p.etp)
     counts = count_params(m)
-    layer_norms = sum(layer_params(m, i).norms for i in range(m.num_layers))
-    head = (0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size) // p.tp + counts.norms - layer_norms
-    emb = counts.embedding // p.tp
+    final_norm = counts.norms - sum(layer_params(m, i).norms for i in range(m.num_layers))
+    output = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size  # counts.embedding holds both tables
+    head = output // p.tp + final_norm
+    emb = (counts.embedding - output) // p.tp
     return out, emb, head
 
 
@@ -140,15 +142,16 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
     bwd: list = []
     ne_total = sum(params[i][0] for i in vs.layers) + (emb if vs.embedding else 0) + (head if vs.head else 0)
     ex_total = sum(params[i][1] for i in vs.layers)
+    outer_f = (emb if vs.embedding else 0) + (head if vs.head else 0)  # gathered with the first layer
     if pol.step_gather:
         fwd.append(ParamGather(f"step{vs.index}", ne_total, ex_total, first_micro_only=True))
         fwd.append(WaitParams(f"step{vs.index}", first_micro_only=True))
+    if pol.layer_gathers and vs.layers:
+        fwd.append(ParamGather(f"f{vs.layers[0]}", params[vs.layers[0]][0] + outer_f, params[vs.layers[0]][1]))
     if vs.embedding:
         fwd.append(Kernels([Kernel("embedding", -1)], -1))
     for j, i in enumerate(vs.layers):
         if pol.layer_gathers:
-            if j == 0:
-                fwd.append(ParamGather(f"f{i}", *params[i]))
             if j + 1 < len(vs.layers):
                 fwd.append(ParamGather(f"f{vs.layers[j + 1]}", *params[vs.layers[j + 1]]))
             fwd.append(WaitParams(f"f{i}"))
@@ -160,10 +163,10 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
         if head:
             bwd.append(Grads(n, head, 0, every))
     rev = list(reversed(vs.layers))
+    if pol.layer_gathers and pol.regather_for_backward and rev:
+        bwd.append(ParamGather(f"b{rev[0]}", params[rev[0]][0] + (head if vs.head else 0), params[rev[0]][1]))
     for j, i in enumerate(rev):
         if pol.layer_gathers and pol.regather_for_backward:
-            if j == 0:
-                bwd.append(ParamGather(f"b{i}", *params[i]))
             if j + 1 < len(rev):
                 bwd.append(ParamGather(f"b{rev[j + 1]}", *params[rev[j + 1]]))
             bwd.append(WaitParams(f"b{i}"))
@@ -193,19 +196,19 @@ def _tail(s: Scenario, chunks: list[Chunk], pol: Policy, cost: CostModel) -> Tai
     opt = ceil_div(ne, dp_shard) + ceil_div(ex, s.edp) if pol.optimizer_sharded else ne + ex
     offload = s.training.offload_optimizer == "cpu"
     norm_s, groups = [], []
-    if pol.deepspeed_norm:  # DeepSpeed: each group's partial norm, all-reduced over dp (then experts over edp)
+    if pol.norm == "deepspeed":  # DeepSpeed: each group's partial norm, all-reduced over dp (then experts over edp)
         layers = [i for c in chunks for i in c.layers]
         tensors = [layer_tensors(m, i) for i in layers]
         ne_t = outer_tensors(m) + sum(t[0] for t in tensors)
         norm_s.append(cost.grad_norm_time(ceil_div(ne_t, s.dp), ceil_div(ne, s.dp)))
-        groups.append("dp")
+        groups.append(["dp"])
         if ex:
             ex_t = sum(t[1] * s.experts_per_rank for i, t in zip(layers, tensors, strict=True) if m.is_moe_layer(i))
             norm_s.append(cost.grad_norm_time(ceil_div(ex_t, s.edp), ceil_div(ex, s.edp)))
-            groups += ["dp", "edp"]
-    else:  # one fused norm over the shard, all-reduced over every rank (Megatron's get_grad_norm_fp32)
+            groups.append(["dp", "edp"])
+    elif pol.norm == "world":  # one fused norm over the shard, all-reduced over every rank (Megatron's get_grad_norm_fp32)
         norm_s.append(opt * 4 / cost.hbm_Bps + cost.launch_s)
-        groups.append("world")
+        groups.append(["world"])
     rate = s.topology.node.cpu.adam_Gparams_per_s
     return Tail(
         optimizer_params=opt,

@@ -97,74 +97,75 @@ def dualpipe(pp: int, m: int) -> list[list[Instr]]:
     Micro-batches ``0 .. m/2 - 1`` enter at rank 0 and run module 0 (chunk 0: model stage r on rank
     r); ``m/2 .. m - 1`` enter at rank pp - 1 and run module 1 (chunk 1: model stage pp - 1 - r). A
     rank in the second half swaps its phases, as the reference does (``phase ^= is_in_second_half``)."""
+    return [_dualpipe_rank(r, pp, m) for r in range(pp)]
+
+
+def _dualpipe_rank(r: int, pp: int, m: int) -> list[Instr]:
     half_ranks, half_m = pp // 2, m // 2
-    out = []
-    for r in range(pp):
-        hr, second = min(r, pp - 1 - r), r >= pp // 2
-        middle = r in (half_ranks - 1, half_ranks)
-        seq: list[Instr] = []
-        nf, nb = [0, 0], [0, 0]
-        pending_w: list[Instr] = []
+    hr, second = min(r, pp - 1 - r), r >= pp // 2
+    middle = r in (half_ranks - 1, half_ranks)
+    seq: list[Instr] = []
+    nf, nb = [0, 0], [0, 0]
+    pending_w: list[Instr] = []
 
-        def chunk(phase: int) -> int:
-            return phase ^ int(second)
+    def chunk(phase: int) -> int:
+        return phase ^ int(second)
 
-        def F(phase: int, paired: bool = False) -> None:
-            c = chunk(phase)
-            seq.append(Instr("F", c, nf[c] + c * half_m, paired=paired))
-            nf[c] += 1
+    def F(phase: int, paired: bool = False) -> None:
+        c = chunk(phase)
+        seq.append(Instr("F", c, nf[c] + c * half_m, paired=paired))
+        nf[c] += 1
 
-        def B(phase: int, zb: bool = False) -> None:
-            c = chunk(phase)
-            ins = Instr("B", c, nb[c] + c * half_m, zb=zb)
-            seq.append(ins)
-            nb[c] += 1
-            if zb:
-                pending_w.append(ins)
+    def B(phase: int, zb: bool = False) -> None:
+        c = chunk(phase)
+        ins = Instr("B", c, nb[c] + c * half_m, zb=zb)
+        seq.append(ins)
+        nb[c] += 1
+        if zb:
+            pending_w.append(ins)
 
-        def W() -> None:
-            ins = pending_w.pop(0)
-            seq.append(Instr("W", ins.chunk, ins.micro))
+    def W() -> None:
+        ins = pending_w.pop(0)
+        seq.append(Instr("W", ins.chunk, ins.micro))
 
-        def FB(p0: int, p1: int) -> None:
-            F(p0, paired=True)
-            B(p1)
+    def FB(p0: int, p1: int) -> None:
+        F(p0, paired=True)
+        B(p1)
 
-        for _ in range((half_ranks - hr - 1) * 2):  # step 1: nF0
+    for _ in range((half_ranks - hr - 1) * 2):  # step 1: nF0
+        F(0)
+    for _ in range(hr + 1):  # step 2: nF0F1
+        F(0)
+        F(1)
+    for _ in range(half_ranks - hr - 1):  # step 3: nB1W1F1
+        B(1, zb=True)
+        W()
+        F(1)
+    for i in range(half_m - pp + hr + 1):  # step 4: nF0B1F1B0
+        if i == 0 and middle:
             F(0)
-        for _ in range(hr + 1):  # step 2: nF0F1
-            F(0)
-            F(1)
-        for _ in range(half_ranks - hr - 1):  # step 3: nB1W1F1
-            B(1, zb=True)
-            W()
-            F(1)
-        for i in range(half_m - pp + hr + 1):  # step 4: nF0B1F1B0
-            if i == 0 and middle:
-                F(0)
-                B(1)
-            else:
-                FB(0, 1)
-            FB(1, 0)
-        for _ in range(half_ranks - hr - 1):  # step 5: nB1F1B0
             B(1)
-            FB(1, 0)
-        zb = False
-        for i in range(hr + 1):  # step 6: nB1B0, zero bubble from the middle on
-            if i == (hr + 1) // 2 and hr % 2 == 1:
-                zb = True
-            B(1, zb=zb)
-            if i == (hr + 1) // 2 and hr % 2 == 0:
-                zb = True
-            B(0, zb=zb)
-        for _ in range(half_ranks - hr - 1):  # step 7: nWB0
-            W()
-            B(0, zb=True)
-        for _ in range(hr + 1):  # step 8: nW
-            W()
-        assert not pending_w
-        out.append(seq)
-    return out
+        else:
+            FB(0, 1)
+        FB(1, 0)
+    for _ in range(half_ranks - hr - 1):  # step 5: nB1F1B0
+        B(1)
+        FB(1, 0)
+    zb = False
+    for i in range(hr + 1):  # step 6: nB1B0, zero bubble from the middle on
+        if i == (hr + 1) // 2 and hr % 2 == 1:
+            zb = True
+        B(1, zb=zb)
+        if i == (hr + 1) // 2 and hr % 2 == 0:
+            zb = True
+        B(0, zb=zb)
+    for _ in range(half_ranks - hr - 1):  # step 7: nWB0
+        W()
+        B(0, zb=True)
+    for _ in range(hr + 1):  # step 8: nW
+        W()
+    assert not pending_w
+    return seq
 
 
 def path(schedule: str, pp: int, vpp: int, m: int, micro: int) -> list[tuple[int, int]]:

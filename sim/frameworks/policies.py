@@ -37,17 +37,17 @@ class Policy:
     post_step_gather: bool  # all-gathered after the optimizer (ZeRO-1/2)
     optimizer_sharded: bool
     bucket_elements: int  # gradient bucket size (elements); 0: one bucket per hand-over (per block)
-    deepspeed_norm: bool  # DeepSpeed's per-group norms (dp, then experts over dp and edp)
+    norm: str  # gradient norm: deepspeed (per group over dp, experts also over edp), world (one all-reduce), none
 
 
 def policy_of(s: Scenario) -> Policy:
     t, p = s.training, s.parallelism
     if t.framework == "megatron":
         return Policy("megatron", "reduce_scatter", False, False, False, False, True, False, True,
-                      max(40_000_000, 1_000_000 * s.dp), False)  # fmt: skip
+                      max(40_000_000, 1_000_000 * s.dp), "world")  # fmt: skip
     if t.framework == "fsdp2":
         return Policy("fsdp2", "reduce_scatter", True, False, True, t.reshard_after_forward, False, False, True,
-                      0, False)  # fmt: skip
+                      0, "world")  # fmt: skip
     z = p.zero_stage
     bucket = s.collectives.reduce_bucket_elements
     return Policy(
@@ -61,7 +61,7 @@ def policy_of(s: Scenario) -> Policy:
         post_step_gather=z in (1, 2),
         optimizer_sharded=z >= 1,
         bucket_elements=bucket,
-        deepspeed_norm=z >= 1,
+        norm="deepspeed" if z >= 1 else "none",  # ZeRO-0's clipping norm is not modelled
     )
 
 

@@ -175,6 +175,21 @@ class Pricer:
         z = np.zeros(len(q))
         return g, g, z, z
 
+    def selective_recompute(self, layer: int, moe: int | None, micro: int, q: np.ndarray, stage: int) -> np.ndarray:
+        """Seconds of Megatron's selective recompute (``recompute_modules`` layernorm + moe_act) of one
+        layer before its backward: its two norms and the expert (or dense FFN) activation."""
+        m, d, bpe = self.m, self.m.hidden_size, self.bpe
+        norms = 2 * self._mem(2 * self.T_sp * d * bpe)
+        if moe is not None and self.plan is not None:
+            rows = self.plan.expert_load(moe, micro)[q].sum(axis=1).astype(np.float64)
+            width = (m.moe_ffn_hidden_size or d) // self.etp
+            passes = (3 if m.ffn_type == "gated" else 2) + expert_activation_passes(m)
+            act = rows * width * bpe * passes / self.cost.hbm_Bps + self.s.experts_per_rank * self.cost.launch_s
+        else:
+            width = (m.ffn_hidden_size or d) // self.tp
+            act = np.full(len(q), self._mem(self.T * width * bpe * (3 if m.ffn_type == "gated" else 2)))
+        return (norms + act) * self.factor[q + stage * self.s.layout.stage_size]
+
     def price(self, name: str, layer: int, moe: int | None, micro: int, part: str, q: np.ndarray,
               stage: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
         """(seconds, FLOPs) of block ``name`` of ``layer`` for pass ``part`` on stage positions ``q`` of

@@ -30,8 +30,12 @@ class Kernel:
 
 @dataclass
 class Kernels:
+    """Kernels back to back on the compute stream; ``phase="fwd"``: priced as a forward inside a
+    backward pass (full recompute), else as the pass they run in."""
+
     kernels: list[Kernel]
     layer: int
+    phase: str = ""
 
 
 @dataclass(frozen=True)
@@ -112,13 +116,13 @@ class Chunk:
 @dataclass
 class Tail:
     """After the last backward of a pipeline rank: gradient norm all-reduce(s), optimizer, parameter
-    all-gather. Parameters per rank; ``norm_groups``: the groups the norm all-reduces run over in order
-    (``dp``, ``edp`` or ``world``); seconds of the partial norms and the optimizer per rank."""
+    all-gather. Parameters per rank; per part of the gradient norm its seconds (``norm_s``) and the
+    groups its all-reduces run over in order (``norm_groups``: ``dp``, ``edp`` or ``world``)."""
 
     optimizer_params: int
     optimizer_s: float
     norm_s: list[float]
-    norm_groups: list[str]
+    norm_groups: list[list[str]]
     gather_nonexpert: int
     gather_expert: int
     offload_bytes: float = 0.0

@@ -32,8 +32,10 @@ def category_of(name: str) -> str:
         return "a2a"
     if name in EXPOSED_NAMES:
         return "exposed_comm"
-    if name in ("imbalance_wait", "optimizer"):
+    if name in ("imbalance_wait", "optimizer", "pipeline_bubble"):
         return name
+    if name.startswith(("tp_", "etp_", "cp_")):
+        return "tp_comm"
     return "compute"
 
 

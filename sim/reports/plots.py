@@ -19,11 +19,14 @@ from sim.ioutil import atomic_write_bytes
 from sim.reports.chrome_trace import category_of
 
 #: breakdown categories in stacking order, with their colours
-CATEGORIES = ("compute", "a2a", "imbalance_wait", "exposed_comm", "optimizer")
+CATEGORIES = ("compute", "a2a", "imbalance_wait", "tp_comm", "pipeline_bubble", "exposed_comm", "optimizer")
+#: the categories every engine reports; the layout ones are drawn only where a rank spent time in them
+BASE_CATEGORIES = ("compute", "a2a", "imbalance_wait", "exposed_comm", "optimizer")
 CAT_COLOR = {"compute": "tab:blue", "a2a": "tab:red", "imbalance_wait": "0.65", "exposed_comm": "tab:purple",
-             "optimizer": "tab:green", "grad_sync": "tab:olive"}  # fmt: skip
+             "optimizer": "tab:green", "grad_sync": "tab:olive", "tp_comm": "tab:cyan", "pipeline_bubble": "0.85"}  # fmt: skip
 CAT_LABEL = {"compute": "compute", "a2a": "all-to-all", "imbalance_wait": "imbalance wait (at all-to-all)",
-             "exposed_comm": "exposed comm", "optimizer": "optimizer", "grad_sync": "grad sync (comm stream)"}  # fmt: skip
+             "exposed_comm": "exposed comm", "optimizer": "optimizer", "grad_sync": "grad sync (comm stream)",
+             "tp_comm": "tensor-parallel comm", "pipeline_bubble": "pipeline bubble"}  # fmt: skip
 NAME_COLOR = {
     "embedding": "#8c564b", "attention": "#1f77b4", "route": "#17becf", "permute": "#bcbd22",
     "dispatch": "#d62728", "experts": "#ff7f0e", "combine": "#e377c2", "unpermute": "#9edae5",
@@ -72,10 +75,10 @@ def plot_breakdown(path: str | Path, result: dict[str, Any], scenario) -> Path:
     for y, (_, b) in zip(ys, bars, strict=False):
         left = 0.0
         for cat in CATEGORIES:
-            v = b[cat]
+            v = b.get(cat, 0.0)
             ax.barh(y, v, left=left, color=CAT_COLOR[cat], edgecolor="white", lw=0.5,
                     label=CAT_LABEL[cat] if y == ys[0] else None)  # fmt: skip
-            if v > 0.06 * sum(b[c] for c in CATEGORIES):
+            if v > 0.06 * sum(b.get(c, 0.0) for c in CATEGORIES):
                 ax.text(left + v / 2, y, f"{v:.3g}", ha="center", va="center", fontsize=8, color="white")
             left += v
         ax.text(left, y, f"  {left:.4g} s", va="center", fontsize=9)
@@ -185,10 +188,11 @@ def plot_step_timeline(path: str | Path, result: dict[str, Any], spans, scenario
 
 def rank_totals(spans) -> dict[int, dict[str, float]]:
     """Compute-stream seconds per breakdown category for every traced rank."""
-    out: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(CATEGORIES, 0.0))
+    out: dict[int, dict[str, float]] = defaultdict(lambda: dict.fromkeys(BASE_CATEGORIES, 0.0))
     for sp in spans:
         if sp.stream == "compute":
-            out[sp.rank][category_of(sp.name)] += sp.end - sp.start
+            cat = category_of(sp.name)
+            out[sp.rank][cat] = out[sp.rank].get(cat, 0.0) + sp.end - sp.start
     return dict(out)
 
 
@@ -199,7 +203,7 @@ def plot_rank_breakdown(path: str | Path, result: dict[str, Any], spans, scenari
     fig, ax = plt.subplots(figsize=(max(9, 0.3 * len(ranks) + 5), 5))
     bottom = [0.0] * len(ranks)
     for cat in CATEGORIES:
-        vals = [tot[r][cat] for r in ranks]
+        vals = [tot[r].get(cat, 0.0) for r in ranks]
         ax.bar(range(len(ranks)), vals, bottom=bottom, color=CAT_COLOR[cat], label=CAT_LABEL[cat],
                hatch="///" if cat == "imbalance_wait" else None, edgecolor="white", lw=0.3)  # fmt: skip
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]

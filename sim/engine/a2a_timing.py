@@ -1,0 +1,164 @@
+"""How long each rank's part of an EP all-to-all takes, exactly or by an estimate.
+
+The bytes come from the routing plan, per EP group (never a world x world matrix): copies from each
+member to each member (``dropless``) or the padded ``E x C`` chunks (``capacity_padded``); the
+hierarchical dispatchers (``hierarchical``, ``deepep``, ``hybridep``) send each token once per
+destination node over RDMA, to the member with the sender's local index, which forwards it over
+NVLink (DeepEP's normal kernels, DeepSeek-V3 section 3.2.2).
+
+- ``exact`` (the DES): the processor-sharing model of :class:`sim.network.comm.Comm` on the group's
+  routed flows (direct: every pair; hierarchical: both phases of the DAG).
+- estimate (ranking lanes and the data-parallel arrivals of lanes the DES does not follow): per rank
+  the slowest of its NVLink and NIC links, ``max(bytes out, bytes in) / bandwidth`` per link class,
+  plus the path latency; vectorised over every group at once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import simpy
+
+from sim.engine.rank_groups import group_ids
+from sim.frameworks.program import EPAllToAll
+from sim.hardware.cluster import Cluster
+from sim.inputs.scenario import Scenario
+from sim.model.dtypes import BYTES_PER_ELEMENT, storage_dtype
+from sim.network.collectives import all_to_all_dag
+from sim.network.comm import Comm
+from sim.network.group_times import GroupTimes
+from sim.routing.plan import RoutingPlan
+
+HIERARCHICAL = ("hierarchical", "deepep", "hybridep")
+
+
+def routing_rank(s: Scenario, q: np.ndarray) -> np.ndarray:
+    """Row of the routing plan for stage position ``q``: EP groups are contiguous there (``ep`` ranks
+    with the same etp and edp coordinates)."""
+    p = s.parallelism
+    etp, ep = p.etp, p.ep
+    etp_i, rest = q % etp, q // etp
+    ep_i, edp_i = rest % ep, rest // ep
+    return ep_i + ep * (etp_i + etp * edp_i)
+
+
+class A2ATiming:
+    def __init__(self, s: Scenario, plan: RoutingPlan | None, cluster: Cluster, env: simpy.Environment, exact: bool):
+        self.s, self.plan, self.cluster, self.exact = s, plan, cluster, exact
+        self.comm = Comm(env, cluster, "ps")
+        self.times = GroupTimes(cluster)
+        self.algo = s.collectives.all_to_all
+        self.elem = s.model.hidden_size * BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]
+        self.ep = s.ep
+        self._links: dict[int, np.ndarray] | None = None
+
+    def _rank_links(self) -> np.ndarray:
+        """(4, world): per rank the bottleneck bandwidth and latency of its path to a peer in its node
+        and to the same-index GPU of the next node (degraded and rerouted links included)."""
+        if self._links is None:
+            c = self.cluster
+            w, gpn = c.world_size, c.gpus_per_node
+            r = np.arange(w)
+            out = np.zeros((4, w))
+            pairs = [(r, (r // gpn) * gpn + (r % gpn + 1) % gpn)]
+            pairs.append((r, (r + gpn) % w) if c.nodes > 1 else (r, r))
+            for i, (a, b) in enumerate(pairs):
+                ok = a != b
+                bw, lat = np.full(w, np.inf), np.zeros(w)
+                if ok.any():
+                    indptr, links = c.paths(a[ok], b[ok])
+                    bw[ok] = np.minimum.reduceat(c.link_bw_Bps[links], indptr[:-1])
+                    lat[ok] = np.add.reduceat(c.link_latency_s[links], indptr[:-1])
+                out[2 * i], out[2 * i + 1] = bw, lat
+            self._links = out
+        return self._links
+
+    # ---- bytes ------------------------------------------------------------------------------------
+    def _pairs(self, moe: int, micro: int, rho: np.ndarray) -> np.ndarray:
+        """(groups, ep, ep) bytes member i -> member j of each EP group whose routing rows are ``rho``
+        (groups x ep, in EP order); the diagonal is the member's own share (never on a wire)."""
+        plan, ep = self.plan, self.ep
+        assert plan is not None
+        epr = self.s.experts_per_rank
+        if plan.padded is not None:
+            chunk = plan.padded[moe, micro][rho[:, 0] // ep].astype(np.float64) * epr
+            return np.broadcast_to(chunk[:, None, None], (len(rho), ep, ep)) * self.elem
+        kept = plan.kept[moe, micro][rho.reshape(-1)]  # (groups*ep, E)
+        copies = kept.reshape(len(rho), ep, ep, epr).sum(axis=3, dtype=np.int64)
+        return copies.astype(np.float64) * self.elem
+
+    def _node_bytes(self, moe: int, micro: int, rho_g: np.ndarray, nodes: int) -> np.ndarray:
+        """(ep, nodes) distinct-token bytes each member sends to each node of its group."""
+        nt = self.plan.arrays.node_tokens[moe, micro][rho_g, :nodes]
+        return nt.astype(np.float64) * self.elem
+
+    # ---- timing -----------------------------------------------------------------------------------
+    def run(self, r: int, op: EPAllToAll, micro: int, q: np.ndarray, ranks: np.ndarray, launch: np.ndarray):
+        """(seconds of each rank's part, bytes it sent off the GPU, of which across nodes) for every
+        EP group among the ranks ``ranks`` (stage positions ``q``), launched at ``launch``."""
+        ids = group_ids(self.s, q, "ep")
+        order = np.lexsort((routing_rank(self.s, q), ids))  # members of each group in EP order
+        n_groups = len(q) // self.ep
+        sel = order.reshape(n_groups, self.ep)
+        rho = routing_rank(self.s, q)[sel]
+        pairs = self._pairs(op.moe, micro, rho)
+        if op.direction == "combine":
+            pairs = pairs.transpose(0, 2, 1)
+        gpn = self.cluster.gpus_per_node
+        grank = ranks[sel]
+        same = (grank[:, :, None] // gpn) == (grank[:, None, :] // gpn)
+        off = pairs * (1.0 - np.eye(self.ep))[None]
+        sent = off.sum(axis=2)
+        inter = (off * ~same).sum(axis=2)
+        fin = np.zeros((n_groups, self.ep))
+        hier = self.algo in HIERARCHICAL and self.plan.padded is None
+        for g in range(n_groups):
+            group = grank[g].tolist()
+            nb = None
+            if hier:
+                nodes = len(np.unique(grank[g] // gpn))
+                nb = self._node_bytes(op.moe, micro, rho[g], nodes)
+                if op.direction == "combine":
+                    pass  # the combine's DAG returns the same node bytes back
+                own = (grank[g] // gpn)[:, None] == np.unique(grank[g] // gpn)[None, :]
+                inter[g] = (nb * ~own).sum(axis=1)
+            if self.exact:
+                fin[g] = self._exact(r, g, group, pairs[g] if op.direction == "dispatch" else pairs[g].T, nb, op.direction)
+            else:
+                fin[g] = self._estimate(off[g], same[g], inter[g] if hier else None, grank[g])
+        out = np.zeros(len(q))
+        out_sent, out_inter = np.zeros(len(q)), np.zeros(len(q))
+        out[sel.reshape(-1)] = fin.reshape(-1)
+        out_sent[sel.reshape(-1)] = sent.reshape(-1)
+        out_inter[sel.reshape(-1)] = inter.reshape(-1)
+        return out, out_sent, out_inter
+
+    def _exact(self, r: int, g: int, group: list[int], pair: np.ndarray, node_bytes, direction: str) -> np.ndarray:
+        if node_bytes is None:
+            done = self.comm.direct_a2a((("lane", r, group[0]),), [group], [pair], direction)
+            return np.array([done[x] for x in group])
+        dag = all_to_all_dag(self.cluster, group, pair, "hierarchical", node_bytes, direction)
+        fin = self.comm.ps_rank_finish(dag)
+        out = fin[np.asarray(group)]
+        return np.where(np.isnan(out), 0.0, out)
+
+    def _estimate(self, off: np.ndarray, same: np.ndarray, node_inter: np.ndarray | None, ranks: np.ndarray) -> np.ndarray:
+        """Per member, ``max(out, in)`` bytes per link class over its path's bandwidth, plus latency."""
+        bw_in, lat_in, bw_out, lat_out = self._rank_links()[:, ranks]
+        intra = off * same
+        out_intra, in_intra = intra.sum(axis=1), intra.sum(axis=0)
+        if node_inter is None:
+            cross = off * ~same
+            out_inter, in_inter = cross.sum(axis=1), cross.sum(axis=0)
+        else:
+            out_inter = in_inter = node_inter
+        t = np.maximum(np.maximum(out_intra, in_intra) / bw_in, np.maximum(out_inter, in_inter) / bw_out)
+        lat = np.where(np.maximum(out_inter, in_inter) > 0, lat_out, np.where(t > 0, lat_in, 0.0))
+        return t + lat
+
+    def small_all_reduce_s(self, r: int, nbytes: float) -> float:
+        """DeepSpeed's capacity all-reduce over an EP group (its first group stands for all)."""
+        group = list(range(r * self.s.layout.stage_size, r * self.s.layout.stage_size + self.ep))
+        return self.times.time_s("all_reduce", group, nbytes)
+
+
+__all__ = ["A2ATiming", "HIERARCHICAL", "routing_rank"]

@@ -1,0 +1,362 @@
+"""The layout-aware engine: runs a :class:`~sim.frameworks.program.Program` on a set of lanes.
+
+A *lane* is a block of consecutive ranks of a pipeline stage that meet in tensor, context and
+expert collectives (:attr:`sim.inputs.layout.Layout.lane_size`); lanes of a stage meet only in
+data-parallel collectives, and a lane's ranks of stage r talk to the same positions of stages r +- 1
+through pipeline sends. One SimPy process per pipeline stage carries the clocks of every rank of the
+simulated lanes as one array and runs the stage's instruction list
+(:mod:`sim.frameworks.pipeline`): a forward waits for its activations, a backward for its
+gradients (the wait is the *pipeline bubble*), and each pass sends its output on. Within a pass:
+
+- :class:`Kernels` advance the clocks by the priced kernels (:class:`~sim.frameworks.pricing.Pricer`);
+- an EP all-to-all launches per EP group at its last member's arrival (the others' wait is the
+  *imbalance wait*); each rank's part ends per the comm model (:mod:`sim.engine.a2a_timing`);
+- a TP / ETP / CP collective launches at its group's last arrival and lasts the ring's time
+  (:class:`~sim.network.group_times.GroupTimes`) (*tp_comm*); with TP communication overlap it runs
+  beside the next kernels instead of before them;
+- gradient hand-overs and parameter gathers go to each rank's comm stream (:mod:`sim.engine.streams`):
+  a data-parallel collective starts when every member of its group (in every lane) is ready and its
+  stream is free; what the compute stream waits for there is *exposed comm*.
+
+SimPy orders the stages' processes (a receive waits for its send); clocks are absolute times
+carried by the arrays, so a process never sleeps through compute. Every rank's timeline is tiled
+by compute + a2a + imbalance_wait + tp_comm + pipeline_bubble + exposed_comm + optimizer.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+import simpy
+
+from sim.engine.a2a_timing import A2ATiming
+from sim.engine.rank_groups import gmax, group_ids, group_members
+from sim.engine.spans import Span
+from sim.engine.streams import Streams
+from sim.frameworks import pipeline
+from sim.frameworks.pricing import Pricer
+from sim.frameworks.program import (
+    CapacitySync,
+    EPAllToAll,
+    Grads,
+    GroupComm,
+    Kernels,
+    ParamGather,
+    Program,
+    WaitParams,
+)
+from sim.hardware.cluster import Cluster
+from sim.inputs.scenario import Scenario
+from sim.network.group_times import GroupTimes
+from sim.routing.plan import RoutingPlan
+
+KEYS = ("compute", "a2a", "imbalance_wait", "tp_comm", "pipeline_bubble", "exposed_comm", "optimizer")
+
+
+@dataclass
+class LaneResult:
+    """Per (stage, simulated rank) seconds of each :data:`KEYS` category and the rest of the record."""
+
+    lanes: np.ndarray
+    positions: np.ndarray  # (n,) stage positions of the simulated ranks
+    end_s: np.ndarray  # (pp, n)
+    by_key: dict[str, np.ndarray]  # (pp, n)
+    by_name: dict[str, np.ndarray]  # (pp, n) compute seconds per span name
+    grad_sync_s: np.ndarray  # (pp, n) comm-stream busy time
+    a2a_sent_bytes: np.ndarray  # (pp, n)
+    a2a_inter_node_bytes: np.ndarray  # (pp, n)
+    events: int
+    link_bytes: np.ndarray
+    waited_on: dict[int, int]  # global rank -> the rank it most often waited for at all-to-alls  # bytes every link carried for the simulated lanes' all-to-alls
+    spans: list[Span] = field(default_factory=list)
+    record: dict = field(default_factory=dict)  # rendezvous arrivals per lane (the estimate pass)
+
+
+class _Jitter:
+    """Per-kernel noise factors of the simulated ranks (``faults.jitter``), drawn per rank in the
+    order the rank runs its kernels, as :func:`sim.frameworks.ops.apply_jitter` draws them."""
+
+    def __init__(self, eng, sampler):
+        self.factors, self.pos = [], []
+        for r, st in enumerate(eng.program.stages):
+            n = 0
+            for ins in st.instructions:
+                ch = st.chunks[ins.chunk]
+                if ins.kind == "W":
+                    n += len(ch.weight_kernels)
+                    continue
+                n += sum(len(op.kernels) for op in (ch.fwd if ins.kind == "F" else ch.bwd) if isinstance(op, Kernels))
+            ranks = eng.q + r * eng.S
+            self.factors.append(np.stack([np.asarray(sampler(int(g), n), dtype=np.float64) for g in ranks], axis=1)
+                                if n else np.ones((0, len(ranks))))  # fmt: skip
+            self.pos.append(0)
+
+    def next(self, r: int) -> np.ndarray:
+        i = self.pos[r]
+        self.pos[r] += 1
+        return self.factors[r][i]
+
+
+class LaneEngine:
+    def __init__(self, s: Scenario, program: Program, plan: RoutingPlan | None, cluster: Cluster,
+                 pricer: Pricer, lanes: np.ndarray, exact: bool = True, virtual=None,
+                 trace_ranks: set[int] | None = None, record: bool = False, jitter=None):  # fmt: skip
+        self.s, self.program, self.plan, self.cluster, self.pricer = s, program, plan, cluster, pricer
+        lay = s.layout
+        self.S, self.L, self.pp = lay.stage_size, lay.lane_size, lay.pp
+        self.lanes = np.asarray(lanes, dtype=np.int64)
+        self.q = (self.lanes[:, None] * self.L + np.arange(self.L)[None, :]).reshape(-1)
+        n = self.n = len(self.q)
+        self.env = simpy.Environment()
+        self.times = GroupTimes(cluster)
+        self.a2a = A2ATiming(s, plan, cluster, self.env, exact)
+        self.streams = Streams(self, virtual, record)
+        self.key = {k: np.zeros((self.pp, n)) for k in KEYS}
+        self.by_name: dict[str, np.ndarray] = defaultdict(lambda: np.zeros((self.pp, n)))
+        self.end = np.zeros((self.pp, n))
+        self.sent = np.zeros((self.pp, n))
+        self.inter = np.zeros((self.pp, n))
+        self.mail: dict[tuple, list] = {}
+        self.trace = trace_ranks or set()
+        self.spans: list[Span] = []
+        self._ids = {k: group_ids(s, self.q, k) for k in ("tp", "etp", "cp", "ep")}
+        self._traced: np.ndarray = np.zeros(0, np.int64)
+        self.jitter = _Jitter(self, jitter) if jitter is not None and exact else None
+        #: per rank, how often each member of its lane arrived last at its all-to-alls
+        self.wait_on = np.zeros((self.pp, n, self.L), dtype=np.int32) if exact else None
+        self._group_time: dict[tuple, np.ndarray] = {}
+        self._p2p: dict[tuple[int, int], np.ndarray] = {}
+
+    # ---- helpers --------------------------------------------------------------------------------
+    def ranks(self, r: int) -> np.ndarray:
+        return self.q + r * self.S
+
+    def _span(self, r: int, name: str, start: np.ndarray, end: np.ndarray, stream: str = "compute",
+              per_rank: dict | None = None, **args) -> None:  # fmt: skip
+        """Spans of the traced ranks; ``per_rank``: args with one value per rank (FLOPs)."""
+        if not self.trace:
+            return
+        for i in self._traced:
+            if end[i] > start[i]:
+                a = dict(args)
+                for k, v in (per_rank or {}).items():
+                    a[k] = float(v[i])
+                self.spans.append(Span(int(self.q[i] + r * self.S), stream, name, float(start[i]), float(end[i]), a))
+
+    def _group_comm_time(self, kind: str, group: str, nbytes: float, r: int) -> np.ndarray:
+        """(n,) seconds of a ``kind`` of ``nbytes`` on each rank's ``group`` (tp, etp, cp)."""
+        key = (kind, group, nbytes, r)
+        hit = self._group_time.get(key)
+        if hit is None:
+            ids = self._ids[group]
+            per_group = {int(g): self.times.time_s(kind, group_members(self.s, group, int(g), r), nbytes)
+                         for g in np.unique(ids)}  # fmt: skip
+            hit = self._group_time[key] = np.array([per_group[int(g)] for g in ids])
+        return hit
+
+    def host_copy_s(self, r: int, nbytes: float) -> np.ndarray:
+        """(n,) seconds to copy ``nbytes`` over each rank's PCIe link to host memory (ZeRO-Offload)."""
+        indptr, links = self.cluster.host_paths(self.ranks(r), True)
+        bw = np.minimum.reduceat(self.cluster.link_bw_Bps[links], indptr[:-1])
+        lat = np.add.reduceat(self.cluster.link_latency_s[links], indptr[:-1])
+        return lat + nbytes / bw
+
+    def p2p_time(self, r_src: int, r_dst: int, nbytes: float) -> np.ndarray:
+        """(n,) seconds to send ``nbytes`` from each rank of stage ``r_src`` to its peer in ``r_dst``."""
+        key = (r_src, r_dst)
+        hit = self._p2p.get(key)
+        if hit is None:
+            src, dst = self.ranks(r_src), self.ranks(r_dst)
+            indptr, links = self.cluster.paths(src, dst)
+            bw = np.minimum.reduceat(self.cluster.link_bw_Bps[links], indptr[:-1])
+            lat = np.add.reduceat(self.cluster.link_latency_s[links], indptr[:-1])
+            hit = self._p2p[key] = np.stack([bw, lat])
+        bw, lat = hit
+        return lat + nbytes / bw
+
+    # ---- passes -----------------------------------------------------------------------------------
+    def _recv(self, key: tuple, r: int, t: np.ndarray):
+        box = self.mail.setdefault(key, [self.env.event(), None])
+        if box[1] is None:
+            yield box[0]
+        arrive = box[1]
+        wait = np.maximum(arrive - t, 0.0)
+        self.key["pipeline_bubble"][r] += wait
+        self._span(r, "pipeline_bubble", t, t + wait)
+        return t + wait
+
+    def _send(self, key: tuple, times: np.ndarray) -> None:
+        box = self.mail.setdefault(key, [self.env.event(), None])
+        box[1] = times
+        box[0].succeed()
+
+    def _kernels(self, r: int, op: Kernels, part: str, micro: int, t: np.ndarray, pending) -> np.ndarray:
+        total = np.zeros(self.n)
+        start = t
+        for k in op.kernels:
+            kp = part
+            if k.name == "selective_recompute":
+                secs = self.pricer.selective_recompute(k.layer, k.moe, micro, self.q, r)
+                flops = None
+            else:
+                secs, flops = self.pricer.price(k.name, k.layer, k.moe, micro, kp, self.q, r)
+            if self.jitter is not None:
+                secs = secs * self.jitter.next(r)
+            self.by_name[k.name][r] += secs
+            if self.trace:
+                self._span(r, k.name, start + total, start + total + secs, layer=k.layer, micro=micro, phase=part,
+                           per_rank={"flops": flops if flops is not None else np.zeros(self.n)})
+            total = total + secs
+        self.key["compute"][r] += total
+        t = t + total
+        if pending is not None:  # an overlapped TP collective runs beside these kernels
+            extra = np.maximum(pending - t, 0.0)
+            self.key["tp_comm"][r] += extra
+            self._span(r, "tp_overlap_wait", t, t + extra)  # category tp_comm
+            t = t + extra
+        return t
+
+    def _a2a(self, r: int, op: EPAllToAll, micro: int, t: np.ndarray) -> np.ndarray:
+        ids = self._ids["ep"]
+        launch = gmax(t, ids, int(ids.max()) + 1)[ids]
+        if self.wait_on is not None:  # who arrived last in each group (ties: the lowest rank)
+            order = np.lexsort((np.arange(self.n), -t, ids))
+            first = np.r_[True, ids[order][1:] != ids[order][:-1]]
+            last_of = np.empty(int(ids.max()) + 1, dtype=np.int64)
+            last_of[ids[order][first]] = order[first]
+            np.add.at(self.wait_on[r], (np.arange(self.n), last_of[ids] % self.L), 1)
+        fin, sent, inter = self.a2a.run(r, op, micro, self.q, self.ranks(r), launch)
+        self.key["imbalance_wait"][r] += launch - t
+        self.key["a2a"][r] += fin
+        self.sent[r] += sent
+        self.inter[r] += inter
+        self._span(r, "imbalance_wait", t, launch)
+        self._span(r, op.name, launch, launch + fin, micro=micro, layer=op.layer)
+        return launch + fin
+
+    def _group_comm(self, r: int, op: GroupComm, t: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        ids = self._ids[op.group]
+        launch = gmax(t, ids, int(ids.max()) + 1)[ids]
+        dur = self._group_comm_time(op.kind, op.group, op.nbytes, r)
+        self.key["tp_comm"][r] += launch - t
+        self._span(r, op.name, t, launch + dur)
+        if op.overlap:
+            return launch, launch + dur
+        self.key["tp_comm"][r] += dur
+        return launch + dur, None
+
+    def _ops(self, r: int, chunk, ops: list, part: str, micro: int, t: np.ndarray):
+        """Run one pass's ops (``part``: fwd, bwd or bwd_input) of micro-batch ``micro``."""
+        pending = None
+        last = self.program.stages[r].last_micro.get(chunk.chunk, micro)
+        for op in ops:
+            if isinstance(op, Kernels):
+                t = self._kernels(r, op, op.phase or part, micro, t, pending)
+                pending = None
+            elif isinstance(op, EPAllToAll):
+                t = self._a2a(r, op, micro, t)
+            elif isinstance(op, GroupComm):
+                t, pending = self._group_comm(r, op, t)
+            elif isinstance(op, Grads):
+                if op.every_micro or micro == last:
+                    self.streams.grads(r, op, t)
+            elif isinstance(op, ParamGather):
+                if not op.first_micro_only or micro == self._first_micro(r, chunk.chunk):
+                    self.streams.gather(r, (op.key, micro), op.nonexpert, op.expert, t)
+            elif isinstance(op, WaitParams):
+                if not op.first_micro_only or micro == self._first_micro(r, chunk.chunk):
+                    done = self.streams.gathered(r, (op.key, micro))
+                    wait = np.maximum(done - t, 0.0)
+                    self.key["exposed_comm"][r] += wait
+                    self._span(r, "param_gather_wait", t, t + wait)
+                    t = t + wait
+            elif isinstance(op, CapacitySync):
+                ids = self._ids["ep"]
+                launch = gmax(t, ids, int(ids.max()) + 1)[ids]
+                end = launch + self.a2a.small_all_reduce_s(r, op.nbytes)
+                self.key["exposed_comm"][r] += end - t
+                self._span(r, "capacity_sync_wait", t, end)
+                t = end
+        return t
+        yield  # a generator like the other steps of a stage's process
+
+    def _first_micro(self, r: int, chunk: int) -> int:
+        cache = getattr(self, "_first", None)
+        if cache is None:
+            cache = self._first = {}
+            for rr, st in enumerate(self.program.stages):
+                for ins in st.instructions:
+                    if ins.kind == "F" and (rr, ins.chunk) not in cache:
+                        cache[(rr, ins.chunk)] = ins.micro
+        return cache[(r, chunk)]
+
+    def _weights(self, r: int, chunk, micro: int, t: np.ndarray) -> np.ndarray:
+        total = np.zeros(self.n)
+        for k in chunk.weight_kernels:
+            secs, _ = self.pricer.price(k.name, k.layer, k.moe, micro, "bwd_weight", self.q, r)
+            if self.jitter is not None:
+                secs = secs * self.jitter.next(r)
+            total = total + secs
+        self._span(r, "weight_grad", t, t + total, micro=micro)
+        self.key["compute"][r] += total
+        self.by_name["weight_grad"][r] += total
+        return t + total
+
+    def _stage(self, r: int):
+        prog = self.program
+        st = prog.stages[r]
+        sched = prog.schedule
+        p = self.s.parallelism
+        t = np.zeros(self.n)
+        for ins in st.instructions:
+            chunk = st.chunks[ins.chunk]
+            if ins.kind == "W":
+                t = self._weights(r, chunk, ins.micro, t)
+                continue
+            path = pipeline.path(sched, p.pp, p.vpp, prog.micro_batches, ins.micro)
+            v = path.index((r, ins.chunk))
+            if ins.kind == "F":
+                if v > 0:
+                    t = yield from self._recv(("F", v, ins.micro), r, t)
+                t = yield from self._ops(r, chunk, chunk.fwd, "fwd", ins.micro, t)
+                if v + 1 < len(path):
+                    self._send(("F", v + 1, ins.micro), t + self.p2p_time(r, path[v + 1][0], chunk.send_bytes))
+            else:
+                if v + 1 < len(path):
+                    t = yield from self._recv(("B", v, ins.micro), r, t)
+                part = "bwd_input" if ins.zb else "bwd"
+                t = yield from self._ops(r, chunk, chunk.bwd, part, ins.micro, t)
+                if v > 0:
+                    self._send(("B", v - 1, ins.micro), t + self.p2p_time(r, path[v - 1][0], chunk.send_bytes))
+        t = yield from self.streams.tail(r, t)
+        self.end[r] = t
+
+    def _waited_on(self) -> dict[int, int]:
+        out: dict[int, int] = {}
+        if self.wait_on is None:
+            return out
+        lane_start = (np.arange(self.n) // self.L) * self.L
+        for r in range(self.pp):
+            counts = self.wait_on[r].copy()
+            counts[np.arange(self.n), np.arange(self.n) % self.L] = 0
+            best = counts.argmax(axis=1)
+            for i in np.flatnonzero(counts.max(axis=1) > 0):
+                out[int(self.q[i] + r * self.S)] = int(self.q[lane_start[i] + best[i]] + r * self.S)
+        return out
+
+    def run(self) -> LaneResult:
+        if self.trace:
+            self._traced = np.flatnonzero(np.isin(self.q, [x % self.S for x in self.trace]))
+        procs = [self.env.process(self._stage(r)) for r in range(self.pp)]
+        self.env.run(until=self.env.all_of(procs))
+        return LaneResult(
+            lanes=self.lanes, positions=self.q, end_s=self.end, by_key=self.key, by_name=dict(self.by_name),
+            grad_sync_s=self.streams.busy, a2a_sent_bytes=self.sent, a2a_inter_node_bytes=self.inter,
+            events=next(self.env._eid), link_bytes=self.a2a.comm.total_link_bytes(), waited_on=self._waited_on(), spans=sorted(self.spans, key=lambda x: (x.rank, x.stream, x.start)),
+            record=self.streams.recorded(),
+        )  # fmt: skip
+
+
+__all__ = ["KEYS", "LaneEngine", "LaneResult"]
