@@ -53,3 +53,30 @@ def test_topo_bad_input_exits_2(cli, args, field):
     r = cli("topo", *args)
     assert r.returncode == 2
     assert field in r.stderr and "Traceback" not in r.stderr
+
+
+def test_topo_gb200_nvl72_one_rack(cli):
+    """18 trays of 4 GPUs: one 72-GPU NVLink domain, so every pair talks over NVLink (2 hops) and the
+    bisection is the rack switch's 36 x 720 GB/s plus 9 trays' NICs."""
+    r = cli("topo", "gb200-nvl72", "--nodes", "18")
+    assert r.returncode == 0, r.stderr
+    assert "18 x 4 = 72 GB200" in r.stdout
+    # 36 GPUs x 720 GB/s through the rack switch + 9 trays x 4 NICs x 48.5
+    assert "27666.0 GB/s from the graph (max flow), closed form 27666.0" in r.stdout
+    data = summarize(build_cluster(load_topology("gb200-nvl72"), 18))
+    assert data["devices"]["nvswitch"] == 1 and data["devices"]["nic"] == 72
+    assert set(data["hops"].values()) == {2}  # same tray, other trays, other rails: all NVLink
+    assert data["per_gpu"]["intra_GBps"] == pytest.approx(720.0)
+    assert data["per_gpu"]["nic_GBps"] == pytest.approx(48.5)
+    two = summarize(build_cluster(load_topology("gb200-nvl72"), 36))
+    assert two["hops"]["farthest_node_same_rail"] == 6  # the other rack: NIC, leaf, spine, leaf, NIC
+
+
+def test_topo_dgx_b200(cli):
+    r = cli("topo", "dgx-b200", "--nodes", "2", "--json", "-")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)
+    assert data["gpu"] == "B200-SXM" and data["num_gpus"] == 16
+    assert data["per_gpu"]["intra_GBps"] == pytest.approx(720.0)
+    assert data["bisection_GBps"] == pytest.approx(8 * 48.5)
+    assert data["bisection_closed_form_GBps"] == pytest.approx(8 * 48.5)

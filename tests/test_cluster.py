@@ -160,3 +160,85 @@ def test_bad_rank(h100):
     c = build_cluster(h100, 1)
     with pytest.raises(ValueError, match="rank 8"):
         c.path(0, 8)
+
+
+# ---- NVLink domains larger than a node (GB200 NVL72) ----------------------------------------------
+@pytest.fixture(scope="module")
+def nvl72():
+    return load_topology("gb200-nvl72")
+
+
+def test_nvl72_domain_spans_trays(nvl72):
+    """72 GPUs per NVLink domain, 4 per node (tray): one switch per domain, one NIC per GPU."""
+    c = build_cluster(nvl72, 36)  # two racks
+    k = kinds(c)
+    assert (k.count("gpu"), k.count("nic"), k.count("nvswitch"), k.count("host")) == (144, 144, 2, 36)
+    assert k.count("leaf") == 4 * 2  # 4 rails, a leaf per rail per rack (18 trays)
+    assert c.gpus_per_node == 4 and c.nodes_per_domain == 18 and c.gpus_per_domain == 72
+    assert [c.domain_of(r) for r in (0, 71, 72, 143)] == [0, 0, 1, 1]
+    assert c.graph.edges["n17/gpu3", "nvl0/switch"]["bw_GBps"] == pytest.approx(900 * 0.80)
+    # one rack: every pair of GPUs, whatever their trays, talks through the rack's NVLink switch
+    names = [c.link_names[i] for i in c.path(0, 71)]
+    assert names == [("n0/gpu0", "nvl0/switch"), ("nvl0/switch", "n17/gpu3")]
+    # across racks on one rail: NIC, leaf, spine (another rack's leaf), NIC
+    assert len(c.path(0, 72)) == 6 and c.link_kind[c.path(0, 72)[1]] == "nic_tx"
+    # across racks and rails: PXN over the tray's NVLink first (through the rack switch), then rail 2
+    pxn = [c.link_names[i] for i in c.path(1, 72 + 2)]
+    assert pxn[:3] == [("n0/gpu1", "nvl0/switch"), ("nvl0/switch", "n0/gpu2"), ("n0/gpu2", "n0/nic2")]
+    assert len(pxn) == 8
+
+
+def test_nvl72_paths_use_the_fabric_only_between_domains(nvl72):
+    c = build_cluster(nvl72, 36)
+    g = c.graph.subgraph([v for v, d in c.graph.nodes(data=True) if d["kind"] != "host"])
+    rng = np.random.default_rng(3)
+    for s, d in rng.integers(0, c.world_size, size=(300, 2)):
+        s, d = int(s), int(d)
+        path = c.path(s, d)
+        check_path(c, s, d, path)
+        crosses = any(c.link_kind[i] == "nic_tx" for i in path)
+        assert crosses == (c.domain_of(s) != c.domain_of(d))
+        if s != d and (c.domain_of(s) == c.domain_of(d) or s % 4 == d % 4):  # NVLink, or one rail
+            assert len(path) == nx.shortest_path_length(g, c.gpu_name(s), c.gpu_name(d))
+
+
+@pytest.mark.parametrize(
+    ("nodes", "expected"),
+    [
+        (1, 2 * 720.0),  # one tray: floor(4 / 2) x NVLink
+        (2, 4 * 720.0 + 194.0),  # one domain split 1 | 1 tray: 4 NVLinks, plus 1 tray's 4 NICs
+        (10, 20 * 720.0 + 5 * 194.0),  # 5 | 5 trays of one domain
+        (18, 36 * 720.0 + 9 * 194.0),  # a full rack split in two
+        (36, 18 * 194.0),  # two racks: only the fabric crosses (18 trays x 4 NICs x 48.5)
+        (54, None),  # 3 racks: the middle rack is split and the halves split a leaf
+        (72, 36 * 194.0),
+    ],
+)
+def test_nvl72_bisection_graph_vs_closed_form(nvl72, nodes, expected):
+    """Closed form = min(GPUs of each domain on either side) x NVLink + the scale-out bisection."""
+    closed = bisection_closed_form_GBps(nvl72, nodes)
+    if expected is None:
+        assert closed is None
+        return
+    assert closed == pytest.approx(expected)
+    assert bisection_GBps(build_cluster(nvl72, nodes)) == pytest.approx(closed)
+
+
+def test_nvl72_without_fabric_holds_one_rack_and_domain_sizes_must_divide(nvl72):
+    rack = nvl72.model_copy(update={"scaleout": nvl72.scaleout.model_copy(update={"kind": "none"})})
+    c = build_cluster(rack, 18)
+    assert c.nics_per_node == 0 and len(c.path(0, 71)) == 2
+    assert bisection_closed_form_GBps(rack, 18) == pytest.approx(36 * 720.0)
+    assert bisection_GBps(c) == pytest.approx(36 * 720.0)
+    with pytest.raises(InputError, match="one NVLink domain of 18 nodes"):
+        build_cluster(rack, 19)
+    assert build_cluster(nvl72, 2, gpus_per_node=8).nodes_per_domain == 9
+    with pytest.raises(InputError) as exc:
+        build_cluster(nvl72, 2, gpus_per_node=5)
+    assert exc.value.field == "cluster.gpus_per_node"
+
+
+def test_node_sized_domains_keep_their_graph(h100):
+    """Topologies without nvlink_domain_gpus: one switch per node, named as before."""
+    c = build_cluster(h100, 2)
+    assert c.nodes_per_domain == 1 and c.domain_of(8) == 1 and "n1/switch" in c.graph

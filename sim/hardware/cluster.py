@@ -5,10 +5,13 @@
 ``latency_us``, ``kind`` and ``index``; :class:`Cluster` keeps the same links as numpy arrays for
 the flow-level network (:mod:`sim.network.flows`) and computes paths between ranks.
 
-Graph (per node ``n``; ``G`` GPUs per node, rank ``r = n * G + local``):
+Graph (per node ``n``; ``G`` GPUs per node, rank ``r = n * G + local``; ``D`` nodes per NVLink domain,
+``topology.nvlink_domain_gpus / G``, 1 unless the topology says otherwise; node ``n`` in domain ``n // D``):
 
-* ``n{n}/gpu{l}`` <-> ``n{n}/switch`` (kind ``intra``: NVLink to the NVSwitch, a PCIe switch or
-  shared memory, per GPU and direction: ``node.intra``),
+* ``n{n}/gpu{l}`` <-> the domain's switch (kind ``intra``: NVLink to the NVSwitch, a PCIe switch or
+  shared memory, per GPU and direction: ``node.intra``): ``n{n}/switch`` when a domain is one node,
+  ``nvl{d}/switch`` when it joins several (a GB200 NVL72 rack: 18 trays of 4 GPUs, 9 NVLink switch
+  trays acting as one non-blocking switch),
 * ``n{n}/gpu{l}`` <-> ``n{n}/host`` (kind ``pcie_host``: CPU memory, for optimizer offload),
 * ``n{n}/gpu{l}`` <-> ``n{n}/nic{k}`` (kind ``pcie_nic``: GPUDirect RDMA over the node's PCIe
   switch, ``node.pcie_host`` figures), GPU ``l`` on NIC ``k = l * nics // G`` (one each if equal),
@@ -16,15 +19,16 @@ Graph (per node ``n``; ``G`` GPUs per node, rank ``r = n * G + local``):
   ``nic_rx``: the NIC line x efficiency), every leaf <-> ``spine`` (kinds ``leaf_up``,
   ``leaf_down``) with the leaf's attached downlink bandwidth / oversubscription. The spine is one
   non-blocking core node: leaf uplinks, not spine ports, bound what crosses leaves;
-* single switch: every NIC <-> ``switch`` (``nic_tx`` / ``nic_rx``); ``none``: one node only.
+* single switch: every NIC <-> ``switch`` (``nic_tx`` / ``nic_rx``); ``none``: one NVLink domain only.
 
-Path rules (:meth:`Cluster.path`): a rank to itself is the empty path; inside a node
-``gpu -> switch -> gpu``; across nodes on the same rail ``gpu -> nic -> leaf [-> spine -> leaf]
--> nic -> gpu`` (the spine only when the two nodes hang off different leaves). Between different
-rails, ``cross_rail="pxn"`` (default, NCCL's PXN, NCCL_PXN_DISABLE=0) first moves the data over
-NVLink to the source-node GPU with the destination's local index and sends it on that rail, so
-traffic never leaves its rail; ``cross_rail="spine"`` sends on the source's own NIC and crosses
-rails at the spine. Inter-node bytes are the bytes on ``nic_tx`` links.
+Path rules (:meth:`Cluster.path`): a rank to itself is the empty path; inside an NVLink domain
+``gpu -> switch -> gpu`` (whatever the two GPUs' nodes); between domains on the same rail
+``gpu -> nic -> leaf [-> spine -> leaf] -> nic -> gpu`` (the spine only when the two nodes hang off
+different leaves). Between different rails, ``cross_rail="pxn"`` (default, NCCL's PXN,
+NCCL_PXN_DISABLE=0) first moves the data over NVLink to the source-node GPU with the destination's
+local index and sends it on that rail, so traffic never leaves its rail; ``cross_rail="spine"``
+sends on the source's own NIC and crosses rails at the spine. Inter-node bytes are the bytes on
+``nic_tx`` links (traffic between NVLink domains).
 
 Faults (:mod:`sim.hardware.faults`): a degraded link keeps its path and loses bandwidth; a pair whose path
 above crosses a failed link takes instead the shortest path (hops, then latency) over the links
@@ -65,6 +69,8 @@ class Cluster:
     link_kind_code: np.ndarray
     nics_per_node: int
     nodes_per_leaf: int
+    #: nodes one NVLink domain joins (``topology.nvlink_domain_gpus / gpus_per_node``; 1 by default)
+    nodes_per_domain: int
     # index tables (link ids) used to compute paths without touching the graph
     _intra_up: np.ndarray
     _intra_down: np.ndarray
@@ -91,6 +97,15 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def gpus_per_domain(self) -> int:
+        """GPUs one NVLink domain joins (the last domain may hold fewer when nodes do not fill it)."""
+        return self.nodes_per_domain * self.gpus_per_node
+
+    def domain_of(self, rank: int) -> int:
+        """The NVLink domain of ``rank``: ranks of one domain talk over NVLink, others over the fabric."""
+        return rank // self.gpus_per_domain
 
     @property
     def num_links(self) -> int:
@@ -139,10 +154,11 @@ class Cluster:
         g = self.gpus_per_node
         node_s, loc_s, node_d, loc_d = src // g, src % g, dst // g, dst % g
         hops = np.full((len(src), 8), -1, dtype=np.int64)
-        same_node = (node_s == node_d) & (src != dst)
-        hops[same_node, 0] = self._intra_up[src[same_node]]
-        hops[same_node, 1] = self._intra_down[dst[same_node]]
-        far = np.flatnonzero(node_s != node_d)
+        same_domain = (src // self.gpus_per_domain) == (dst // self.gpus_per_domain)
+        near = same_domain & (src != dst)
+        hops[near, 0] = self._intra_up[src[near]]
+        hops[near, 1] = self._intra_down[dst[near]]
+        far = np.flatnonzero(~same_domain)
         if len(far):
             hops[far] = self._inter_node_hops(
                 src[far], dst[far], node_s[far], loc_s[far], node_d[far], loc_d[far]
@@ -244,10 +260,12 @@ def build_cluster(
         raise InputError(f"nodes must be >= 1, got {nodes}", field="cluster.nodes")
     if g < 1:
         raise InputError(f"gpus_per_node must be >= 1, got {g}", field="cluster.gpus_per_node")
-    if so.kind == "none" and nodes > 1:
+    per_domain = nodes_per_domain(topology, g)
+    if so.kind == "none" and nodes > per_domain:
+        held = "one node" if per_domain == 1 else f"one NVLink domain of {per_domain} nodes"
         raise InputError(
             f"topology '{topology.name}' has no scale-out fabric (scaleout.kind: none): "
-            f"it holds one node, got {nodes}",
+            f"it holds {held}, got {nodes}",
             field="cluster.nodes",
         )
     if cross_rail not in ("pxn", "spine"):
@@ -261,8 +279,12 @@ def build_cluster(
     idx = {k: np.full(world, -1, dtype=np.int64) for k in ("iu", "id", "hu", "hd", "gn", "ng")}
     nic_tx = np.full((nodes, max(nics, 1)), -1, dtype=np.int64)
     nic_rx = nic_tx.copy()
+    switch = ""
     for n in range(nodes):
-        switch = b.node(f"n{n}/switch", nd.intra_kind, node=n)
+        if per_domain == 1:
+            switch = b.node(f"n{n}/switch", nd.intra_kind, node=n, domain=n)
+        elif n % per_domain == 0:
+            switch = b.node(f"nvl{n // per_domain}/switch", nd.intra_kind, domain=n // per_domain)
         host = b.node(f"n{n}/host", "host", node=n)
         nic_names = [b.node(f"n{n}/nic{k}", "nic", node=n, rail=k) for k in range(nics)]
         for loc in range(g):
@@ -311,6 +333,7 @@ def build_cluster(
         link_kind_code=np.asarray(b.kind, dtype=np.int8),
         nics_per_node=nics,
         nodes_per_leaf=per_leaf,
+        nodes_per_domain=per_domain,
         _intra_up=idx["iu"],
         _intra_down=idx["id"],
         _host_up=idx["hu"],
@@ -325,12 +348,28 @@ def build_cluster(
     )
 
 
+def nodes_per_domain(topology: Topology, gpus_per_node: int | None = None) -> int:
+    """Nodes one NVLink domain of ``topology`` joins with ``gpus_per_node`` GPUs each (default: the
+    topology's): ``nvlink_domain_gpus / gpus_per_node``, 1 when the topology names no domain."""
+    g = int(gpus_per_node or topology.node.gpus_per_node)
+    domain = topology.nvlink_domain_gpus
+    if domain is None:
+        return 1
+    if domain % g:
+        raise InputError(
+            f"the topology's NVLink domain of {domain} GPUs does not hold whole nodes of {g} GPUs",
+            field="cluster.gpus_per_node",
+        )
+    return domain // g
+
+
 def bisection_GBps(cluster: Cluster) -> float:
     """Bisection bandwidth from the graph: max flow (= min cut) from one half of the GPUs to the other.
 
-    With two or more nodes the halves are the first ``nodes // 2`` nodes and the rest; with one node,
-    the first ``G // 2`` GPUs and the rest over the node switch only. Host memory is not a transit
-    switch and is left out. One direction (GB/s per direction, like every link figure).
+    With two or more nodes the halves are the first ``nodes // 2`` nodes and the rest (an NVLink
+    domain may span both); with one node, the first ``G // 2`` GPUs and the rest over the node switch
+    only. Host memory is not a transit switch and is left out. One direction (GB/s per direction, like
+    every link figure).
     """
     g = cluster.gpus_per_node
     keep = [v for v, d in cluster.graph.nodes(data=True) if d["kind"] != "host"]
@@ -357,21 +396,29 @@ def bisection_closed_form_GBps(
 ) -> float | None:
     """Closed-form bisection for the halves of :func:`bisection_GBps`; None where none applies.
 
-    One node: ``floor(G/2) x intra``. Several: ``h = nodes // 2`` nodes, each pushing out at most
-    ``sum over NICs of min(NIC, GPUs on it x PCIe)``; a fat tree whose halves split at leaf
-    boundaries also caps it at ``h x NICs x NIC / oversubscription`` (leaf uplinks). A half that
-    splits a leaf has no simple closed form (returns None).
+    One node: ``floor(G/2) x intra``. Several: the NVLink part plus the scale-out part, which share
+    no link. NVLink: each domain's switch is cut on its smaller side, ``min(GPUs of the domain in
+    half A, in half B) x intra`` (0 when domains are nodes). Scale-out: ``h = nodes // 2`` nodes,
+    each pushing out at most ``sum over NICs of min(NIC, GPUs on it x PCIe)``; a fat tree whose
+    halves split at leaf boundaries also caps it at ``h x NICs x NIC / oversubscription`` (leaf
+    uplinks). A half that splits a leaf has no simple closed form (returns None).
     """
     so, nd = topology.scaleout, topology.node
     g = int(gpus_per_node or nd.gpus_per_node)
     if nodes == 1:
         return (g // 2) * nd.intra.bw_GBps
+    h, per_domain = nodes // 2, nodes_per_domain(topology, g)
+    domain = np.arange(nodes) // per_domain
+    in_a = np.bincount(domain[:h], minlength=domain[-1] + 1)
+    in_b = np.bincount(domain[h:], minlength=domain[-1] + 1)
+    nvlink = float(np.minimum(in_a, in_b).sum()) * g * nd.intra.bw_GBps
+    if so.kind == "none":
+        return nvlink
     nics = min(so.nics_per_node, g)
     gpus_on_nic = np.bincount(np.arange(g) * nics // g, minlength=nics)
     egress = float(np.minimum(so.nic_bw_GBps, gpus_on_nic * nd.pcie_host.bw_GBps).sum())
-    h = nodes // 2
     if so.kind == "single_switch" or nodes <= so.nodes_per_leaf:
-        return h * egress
+        return nvlink + h * egress
     if h % so.nodes_per_leaf:
         return None
-    return h * min(egress, nics * so.nic_bw_GBps / so.oversubscription)
+    return nvlink + h * min(egress, nics * so.nic_bw_GBps / so.oversubscription)

@@ -1,8 +1,21 @@
-"""Hardware descriptions (``topologies/*.yaml``): a GPU kind, the node fabric and the scale-out fabric.
+"""Hardware descriptions (``topologies/*.yaml``): a GPU kind, the node fabric, the NVLink domain and
+the scale-out fabric.
 
 Every number carries its unit in its name. Link sections give the datasheet line rate and an
 ``efficiency`` (the fraction of line rate achieved in measurements, e.g. nccl-tests busbw); the
 simulator uses ``line * efficiency``. The YAML files say in comments where each figure comes from.
+
+A topology's ``gpu:`` is either a GPU description written inline or the name of one shared file in
+``topologies/gpus/`` (``gpu: h100-sxm``; a path to a ``.yaml`` file also works, relative to the
+topology file). A GPU description holds the public figures of its kind: datasheet peaks, HBM, SM
+count, the achieved HBM fraction, a fused-attention figure and the measured GEMM points that
+:mod:`sim.hardware.costs` fits its GEMM efficiency curve to; ``gemm_points_from`` names, per dtype,
+the GPU description whose points (as fractions of that GPU's peak) join this one's fit: how a kind
+without measurements of its own borrows another's curve (resolved here, when the file is loaded).
+
+``nvlink_domain_gpus`` is the number of GPUs one NVLink/NVSwitch fabric joins (default: a node's).
+In a GB200 NVL72 rack it is 72 while a node (a compute tray) holds 4: GPUs of one domain talk over
+NVLink whatever their node, and only traffic between domains takes the scale-out fabric.
 """
 
 from __future__ import annotations
@@ -19,16 +32,45 @@ _STRICT = ConfigDict(extra="forbid", frozen=True)
 
 #: Folder of the shipped topology files (next to ``sim/`` in the source tree).
 TOPOLOGY_DIR = Path(__file__).resolve().parents[2] / "topologies"
+#: Folder of the shipped GPU descriptions a topology names in ``gpu:``.
+GPU_DIR = TOPOLOGY_DIR / "gpus"
 
 #: Upper bound on rates, sizes and latencies (GB/s, TFLOP/s, GiB, us): far past any hardware, and
 #: small enough that unit conversions (x 1e9, x 1e12) stay finite.
 _BIG = 1e9
 
-Dtype = Literal["fp8", "bf16", "fp16", "tf32", "fp32"]
+Dtype = Literal["fp8", "bf16", "fp16", "tf32", "fp32", "mxfp8"]
+#: Largest GEMM dimension a measurement point may give (far past any published shape).
+_MAX_DIM = 10**9
+
+
+class GemmPoint(StrictModel):
+    """One published GEMM measurement: ``C[M, N] = A[M, K] @ B[K, N]`` at ``2 M N K / time``."""
+
+    model_config = _STRICT
+    M: int = Field(ge=1, le=_MAX_DIM, description="rows of A and C (tokens; per group in a grouped GEMM)")
+    N: int = Field(ge=1, le=_MAX_DIM, description="columns of B and C")
+    K: int = Field(ge=1, le=_MAX_DIM, description="reduction dimension")
+    dtype: Dtype = Field(description="operand precision of the kernel")
+    TFLOPs: float = Field(gt=0, le=_BIG, description="achieved 2 M N K / kernel time, TFLOP/s")
+    kernel: str = Field(description="library and kernel that ran (e.g. cuBLAS via torch.matmul)")
+    source: str = Field(description="where the figure is published (repository@commit, issue, paper)")
+
+
+class AttentionFigure(StrictModel):
+    """Measured throughput of a fused attention core (FlashAttention-style), BF16, forward and backward,
+    with FLOPs counted as the source counts them (causal runs credit half the score matrix)."""
+
+    model_config = _STRICT
+    kernel: str = Field(description="kernel and shape, e.g. FlashAttention-3, head dim 128, seq 4096, causal")
+    fwd_TFLOPs: float = Field(gt=0, le=_BIG, description="forward TFLOP/s")
+    bwd_TFLOPs: float = Field(gt=0, le=_BIG, description="backward TFLOP/s")
+    source: str = Field(description="where the figures are published, and how any derived one was derived")
 
 
 class GpuSpec(StrictModel):
-    """One accelerator (or one CPU rank): peak math rates, HBM bandwidth and capacity."""
+    """One accelerator (or one CPU rank): peak math rates, HBM bandwidth and capacity, and the public
+    measurements the cost model fits its efficiency curves to (:mod:`sim.hardware.costs`)."""
 
     model_config = _STRICT
     kind: str = Field(description="device name, e.g. H100-SXM")
@@ -36,6 +78,22 @@ class GpuSpec(StrictModel):
     hbm_bw_GBps: float = Field(gt=0, le=_BIG, description="memory bandwidth, GB/s (1e9 B/s)")
     hbm_GiB: float = Field(gt=0, le=_BIG, description="usable device memory, GiB")
     kernel_launch_us: float = Field(default=4.0, ge=0, le=_BIG, description="fixed cost per kernel, us")
+    sm_count: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="streaming multiprocessors (a dispatcher's SMs are a share)",
+    )
+    hbm_efficiency: float | None = Field(
+        default=None, gt=0, le=1, description="achieved fraction of hbm_bw_GBps by streaming kernels"
+    )
+    attention: AttentionFigure | None = Field(default=None, description="measured fused-attention throughput")
+    gemm_points: list[GemmPoint] = Field(default=[], description="published GEMM measurements to fit")
+    gemm_points_from: dict[Dtype, str | GpuSpec] = Field(
+        default={},
+        description="per dtype, the GPU description whose GEMM points also enter this one's fit, as "
+        "fractions of its peak (a name in topologies/gpus/ or a path; replaced by it when loaded)",
+    )
     async_comm: bool = Field(
         default=True,
         description="collectives run on their own stream, concurrently with compute (CUDA streams); "
@@ -134,6 +192,12 @@ class Topology(StrictModel):
     description: str = ""
     gpu: GpuSpec
     node: NodeSpec
+    nvlink_domain_gpus: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="GPUs one NVLink/NVSwitch fabric joins, whole nodes (default: node.gpus_per_node)",
+    )
     scaleout: ScaleOutSpec = ScaleOutSpec(kind="none")
 
     @model_validator(mode="after")
@@ -145,12 +209,81 @@ class Topology(StrictModel):
                 f"scaleout.nics_per_node ({so.nics_per_node}) must equal node.gpus_per_node "
                 f"({self.node.gpus_per_node}) for a rail-optimized fat tree (one NIC per GPU)",
             )
+        domain = self.nvlink_domain_gpus
+        if domain is not None and domain % self.node.gpus_per_node:
+            raise field_error(
+                "nvlink_domain_gpus",
+                f"nvlink_domain_gpus ({domain}) must be a multiple of node.gpus_per_node "
+                f"({self.node.gpus_per_node}): an NVLink domain joins whole nodes",
+            )
         return self
 
 
 def available_topologies() -> list[str]:
     """Names of the shipped topology files."""
     return sorted(p.stem for p in TOPOLOGY_DIR.glob("*.yaml"))
+
+
+def available_gpus() -> list[str]:
+    """Names of the shipped GPU descriptions."""
+    return sorted(p.stem for p in GPU_DIR.glob("*.yaml"))
+
+
+def _is_path(name: str) -> bool:
+    return Path(name).suffix in (".yaml", ".yml") or "/" in name
+
+
+def resolve_gpu_path(name_or_path: str, base_dir: Path | None = None, field: str = "gpu") -> Path:
+    """A GPU description given as a shipped name (``h100-sxm``) or a path (relative to ``base_dir``)."""
+    if not _is_path(name_or_path):
+        path = GPU_DIR / f"{name_or_path}.yaml"
+        if path.exists():
+            return path
+        from sim.errors import did_you_mean
+
+        hint = did_you_mean(name_or_path, available_gpus())
+        raise InputError(
+            f"unknown GPU description '{name_or_path}'{hint}; shipped: {', '.join(available_gpus())}, "
+            "or give a path to a .yaml file, or write the GPU's fields inline",
+            field=field,
+        )
+    p = Path(name_or_path)
+    for c in ([base_dir / p] if not p.is_absolute() and base_dir is not None else []) + [p]:
+        if c.exists():
+            return c
+    raise InputError(f"GPU description file '{name_or_path}' not found", field=field)
+
+
+def load_gpu(name_or_path: str, base_dir: Path | None = None, field: str = "gpu") -> GpuSpec:
+    """Load and validate a GPU description by name or path, its ``gemm_points_from`` entries resolved."""
+    return _load_gpu(resolve_gpu_path(name_or_path, base_dir, field).resolve(), ())
+
+
+def _load_gpu(path: Path, chain: tuple[Path, ...]) -> GpuSpec:
+    if path in chain:
+        loop = " -> ".join(p.stem for p in (*chain, path))
+        raise InputError(
+            f"gemm_points_from entries form a loop: {loop}", file=str(path), field="gemm_points_from"
+        )
+    data = load_yaml_mapping(path, "GPU description")
+    return _resolve_lenders(validate_model(GpuSpec, data, str(path)), path.parent, (*chain, path), str(path))
+
+
+def _resolve_lenders(gpu: GpuSpec, base_dir: Path, chain: tuple[Path, ...], file: str) -> GpuSpec:
+    """``gpu`` with every ``gemm_points_from`` name replaced by the description it names."""
+    if not any(isinstance(v, str) for v in gpu.gemm_points_from.values()):
+        return gpu
+    resolved: dict[str, GpuSpec] = {}
+    for dtype, ref in gpu.gemm_points_from.items():
+        if isinstance(ref, GpuSpec):
+            resolved[dtype] = ref
+            continue
+        field = f"gemm_points_from.{dtype}"
+        try:
+            resolved[dtype] = _load_gpu(resolve_gpu_path(ref, base_dir, field).resolve(), chain)
+        except InputError as exc:
+            raise exc.with_file(file) from None
+    return gpu.model_copy(update={"gemm_points_from": resolved})
 
 
 def resolve_topology_path(name_or_path: str, base_dir: Path | None = None) -> Path:
@@ -179,7 +312,15 @@ def resolve_topology_path(name_or_path: str, base_dir: Path | None = None) -> Pa
 
 
 def load_topology(name_or_path: str, base_dir: Path | None = None) -> Topology:
-    """Load and validate a topology by name or path."""
+    """Load and validate a topology by name or path; a ``gpu:`` name loads that GPU description."""
     path = resolve_topology_path(name_or_path, base_dir)
     data = load_yaml_mapping(path, "topology file")
-    return validate_model(Topology, data, str(path))
+    gpu = data.get("gpu")
+    if isinstance(gpu, str):
+        try:
+            data = {**data, "gpu": load_gpu(gpu, path.parent)}
+        except InputError as exc:
+            raise exc.with_file(str(path)) from None
+    topology = validate_model(Topology, data, str(path))
+    chain = (path.resolve(),)
+    return topology.model_copy(update={"gpu": _resolve_lenders(topology.gpu, path.parent, chain, str(path))})

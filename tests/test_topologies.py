@@ -1,0 +1,118 @@
+"""Shipped hardware descriptions (topologies/*.yaml, topologies/gpus/*.yaml): each loads, each GPU kind is
+described once and named by the topologies that use it, every GPU figure carries its unit and a comment
+naming its source, inline GPU specs keep working, and bad references exit 2 naming file and field."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import yaml
+
+from sim.errors import InputError
+from sim.inputs.topology import (
+    GPU_DIR,
+    TOPOLOGY_DIR,
+    GpuSpec,
+    available_gpus,
+    available_topologies,
+    load_gpu,
+    load_topology,
+)
+
+#: topology -> the GPU description it names (CPU ranks and A100 stay inline)
+SHARED = {"dgx-h100": "h100-sxm", "h800-cluster": "h800-sxm", "hgx-h200": "h200-sxm", "dgx-b200": "b200-sxm",
+          "gb200-nvl72": "gb200"}  # fmt: skip
+#: a GPU description's numeric fields, each with its unit (or a count / fraction) in its name
+UNIT_NAMES = {"hbm_bw_GBps", "hbm_GiB", "kernel_launch_us", "sm_count", "hbm_efficiency", "fwd_TFLOPs",
+              "bwd_TFLOPs"}  # fmt: skip
+
+
+def test_every_shipped_file_loads():
+    assert set(SHARED) | {"cpu-host", "dgx-a100"} == set(available_topologies())
+    assert set(SHARED.values()) == set(available_gpus())
+    for name in available_topologies():
+        topo = load_topology(name)
+        if name in SHARED:
+            assert topo.gpu == load_gpu(SHARED[name])
+            assert yaml.safe_load((TOPOLOGY_DIR / f"{name}.yaml").read_text())["gpu"] == SHARED[name]
+
+
+def test_gpu_figures_carry_units_and_sources():
+    """Every number of a GPU description sits on a line with a comment, under a key that names its unit;
+    peak keys are dtypes under ``peak_TFLOPs`` (one line for all is enough); GEMM points name their source."""
+    for name in available_gpus():
+        text = (GPU_DIR / f"{name}.yaml").read_text()
+        for line in text.splitlines():
+            m = re.match(r"^\s*(\w+):\s*([0-9][0-9.]*)\s*(#.*)?$", line)
+            if m is None:
+                continue
+            key, _, comment = m.groups()
+            assert key in UNIT_NAMES or key in ("fp8", "mxfp8", "bf16", "fp16", "tf32", "fp32"), (name, line)
+            if key in UNIT_NAMES - {"fwd_TFLOPs", "bwd_TFLOPs"}:
+                assert comment, f"{name}: '{line.strip()}' needs a comment naming its source"
+        gpu = load_gpu(name)
+        assert gpu.sm_count and gpu.hbm_efficiency and gpu.attention is not None
+        assert "fp8" in gpu.peak_TFLOPs and all(p.source and p.kernel for p in gpu.gemm_points)
+        assert ("mxfp8" in gpu.peak_TFLOPs) == gpu.kind.startswith(("B200", "GB200"))
+        for what in ("datasheet", "measured"):
+            assert what in text, (name, what)
+
+
+def test_shipped_gpu_kinds():
+    h100, h800, b200, gb200 = (load_gpu(n) for n in ("h100-sxm", "h800-sxm", "b200-sxm", "gb200"))
+    assert (h100.peak_TFLOPs["bf16"], h100.peak_TFLOPs["fp8"], h100.sm_count) == (989, 1979, 132)
+    assert h800.peak_TFLOPs["bf16"] == 990 and h800.gemm_points_from["bf16"] == h100
+    assert (b200.peak_TFLOPs["mxfp8"], b200.sm_count, b200.hbm_bw_GBps) == (4500, 148, 8000)
+    assert gb200.peak_TFLOPs["bf16"] == 2500 and gb200.gemm_points_from["mxfp8"] == b200
+    topo = load_topology("gb200-nvl72")
+    assert (topo.node.gpus_per_node, topo.nvlink_domain_gpus, topo.scaleout.nics_per_node) == (4, 72, 4)
+
+
+def _write(path, data) -> str:
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_gpu_by_name_from_anywhere_by_path_or_inline(tmp_path):
+    data = yaml.safe_load((TOPOLOGY_DIR / "dgx-h100.yaml").read_text())
+    # a copy elsewhere still finds the shipped description by name
+    assert load_topology(_write(tmp_path / "copy.yaml", data)).gpu == load_gpu("h100-sxm")
+    # a path, relative to the topology file, to a user's own description that borrows a shipped one
+    own = yaml.safe_load((GPU_DIR / "h100-sxm.yaml").read_text())
+    own.update(kind="H100-custom", gemm_points=[], gemm_points_from={"bf16": "h100-sxm"})
+    (tmp_path / "gpus").mkdir()
+    _write(tmp_path / "gpus" / "mine.yaml", own)
+    topo = load_topology(_write(tmp_path / "rel.yaml", {**data, "gpu": "gpus/mine.yaml"}))
+    assert topo.gpu.kind == "H100-custom" and topo.gpu.gemm_points_from["bf16"] == load_gpu("h100-sxm")
+    # inline, as before
+    inline = {**data, "gpu": {"kind": "X", "peak_TFLOPs": {"bf16": 100}, "hbm_bw_GBps": 1000, "hbm_GiB": 10}}
+    gpu = load_topology(_write(tmp_path / "inline.yaml", inline)).gpu
+    assert isinstance(gpu, GpuSpec) and gpu.gemm_points == [] and gpu.sm_count is None
+
+
+def test_bad_gpu_references_name_file_and_field(tmp_path):
+    data = yaml.safe_load((TOPOLOGY_DIR / "dgx-h100.yaml").read_text())
+    with pytest.raises(InputError) as exc:
+        load_topology(_write(tmp_path / "typo.yaml", {**data, "gpu": "h100-smx"}))
+    assert exc.value.field == "gpu" and "did you mean 'h100-sxm'" in exc.value.message
+    assert exc.value.file == str(tmp_path / "typo.yaml")
+    # a loop of borrowed points
+    a = yaml.safe_load((GPU_DIR / "h100-sxm.yaml").read_text())
+    _write(tmp_path / "a.yaml", {**a, "gemm_points_from": {"bf16": "b.yaml"}})
+    _write(tmp_path / "b.yaml", {**a, "gemm_points_from": {"bf16": "a.yaml"}})
+    with pytest.raises(InputError, match="form a loop: a -> b -> a"):
+        load_topology(_write(tmp_path / "loop.yaml", {**data, "gpu": "a.yaml"}))
+    # a bad figure inside a description names that file
+    _write(tmp_path / "bad.yaml", {**a, "sm_count": 0})
+    with pytest.raises(InputError) as exc:
+        load_topology(_write(tmp_path / "t.yaml", {**data, "gpu": "bad.yaml"}))
+    assert exc.value.file == str((tmp_path / "bad.yaml").resolve()) and "sm_count" in str(exc.value)
+
+
+def test_nvlink_domain_holds_whole_nodes(tmp_path):
+    data = yaml.safe_load((TOPOLOGY_DIR / "gb200-nvl72.yaml").read_text())
+    with pytest.raises(InputError) as exc:
+        load_topology(_write(tmp_path / "odd.yaml", {**data, "nvlink_domain_gpus": 70}))
+    assert "nvlink_domain_gpus" in str(exc.value) and "multiple of node.gpus_per_node" in str(exc.value)
+    assert load_topology("dgx-h100").nvlink_domain_gpus is None
