@@ -103,13 +103,27 @@ def _pct(x: float, total: float) -> str:
     return f"{100 * x / total:5.1f}%" if total > 0 else "     -"
 
 
+def _layout_text(lay: dict[str, Any]) -> str:
+    """``dp 128, ep 16, edp 8, ZeRO-2`` plus the degrees above 1 of tp, cp, pp (vpp) and etp."""
+    parts = [f"{k} {lay[k]}" for k in ("tp", "cp", "pp") if lay.get(k, 1) > 1]
+    if lay.get("vpp", 1) > 1:
+        parts.append(f"vpp {lay['vpp']} ({lay.get('pp_schedule')})")
+    elif lay.get("pp", 1) > 1:
+        parts.append(lay.get("pp_schedule", "1f1b"))
+    parts += [f"dp {lay['dp']}", f"ep {lay['ep']}"] + ([f"etp {lay['etp']}"] if lay.get("etp", 1) > 1 else [])
+    parts.append(f"edp {lay['edp']}")
+    fw = lay.get("framework", "deepspeed")
+    parts.append(f"ZeRO-{lay['zero_stage']}" if fw == "deepspeed" else fw)
+    return ", ".join(parts)
+
+
 def format_table(scenario, r: dict[str, Any], wall_s: float | None = None) -> str:
     lay, b, tr, mem = r["layout"], r["breakdown_s"], r["traffic"], r["memory"]
     step = r["step_time_s"]
     lines = [
         f"{r['scenario']}: {r['num_gpus']} GPUs ({lay['nodes']} nodes x {lay['gpus_per_node']} "
-        f"{scenario.topology.name}), dp {lay['dp']}, ep {lay['ep']}, edp {lay['edp']}, "
-        f"ZeRO-{lay['zero_stage']}, {scenario.training.dtype}, policy {r['policy']}, engine {r['engine']}",
+        f"{scenario.topology.name}), {_layout_text(lay)}, {scenario.training.dtype}, policy {r['policy']}, "
+        f"engine {r['engine']}",
         f"step time {step:.4f} s   tokens/s {r['tokens_per_s']:,.0f} ({r['tokens_per_s_per_gpu']:,.0f} per GPU)"
         f"   MFU {100 * r['mfu']:.1f}%",
         "breakdown, mean over ranks" + (f" (the pace was set by rank {r['critical_rank']})" if "critical_rank" in r else "") + ":",
@@ -118,9 +132,12 @@ def format_table(scenario, r: dict[str, Any], wall_s: float | None = None) -> st
         ("compute", b["compute"]),
         ("all-to-all", b["a2a"]),
         ("imbalance wait", b["imbalance_wait"]),
+        ("tp comm", b.get("tp_comm", 0.0)),
+        ("pipeline bubble", b.get("pipeline_bubble", 0.0)),
         ("exposed comm", b["exposed_comm"]),
         ("optimizer", b["optimizer"]),
     ]
+    rows = [(k, v) for k, v in rows if v > 0 or k not in ("tp comm", "pipeline bubble")]
     for name, v in rows:
         lines.append(f"  {name:<15} {v:10.4f} s  {_pct(v, step)}")
     lines.append(f"  {'grad sync':<15} {b['grad_sync']:10.4f} s  (comm stream; the part not hidden is exposed comm)")
@@ -155,6 +172,9 @@ def format_table(scenario, r: dict[str, Any], wall_s: float | None = None) -> st
         sim = r.get("simulator", {})
         extra = f", {sim['comm_model']} comm model, {sim['events']:,} events" if "events" in sim else ""
         lines.append(f"simulated in {wall_s:.2f} s{extra}")
+        folded = sim.get("folded")
+        if folded and folded["lanes_simulated"] < folded["lanes_total"]:
+            lines.append(f"folded: {folded['what']} (--fidelity full simulates every rank)")
     return "\n".join(lines)
 
 

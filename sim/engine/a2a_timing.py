@@ -50,6 +50,7 @@ class A2ATiming:
         self.elem = s.model.hidden_size * BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]
         self.ep = s.ep
         self._links: dict[int, np.ndarray] | None = None
+        self._bound: dict[tuple, tuple] = {}
 
     def _rank_links(self) -> np.ndarray:
         """(4, world): per rank the bottleneck bandwidth and latency of its path to a peer in its node
@@ -111,7 +112,9 @@ class A2ATiming:
         inter = (off * ~same).sum(axis=2)
         fin = np.zeros((n_groups, self.ep))
         hier = self.algo in HIERARCHICAL and self.plan.padded is None
-        for g in range(n_groups):
+        if not self.exact and not hier:
+            fin = self._link_bound(r, grank, off)
+        for g in range(n_groups if (self.exact or hier) else 0):
             group = grank[g].tolist()
             nb = None
             if hier:
@@ -140,6 +143,35 @@ class A2ATiming:
         fin = self.comm.ps_rank_finish(dag)
         out = fin[np.asarray(group)]
         return np.where(np.isnan(out), 0.0, out)
+
+    def _link_bound(self, r: int, grank: np.ndarray, off: np.ndarray) -> np.ndarray:
+        """Direct all-to-alls of every group at once: each link's bytes over its bandwidth is when
+        its last (largest) flow ends under processor sharing; a member ends with the slowest link
+        any of its flows crosses (sending or receiving), plus that flow's path latency."""
+        g, ep = off.shape[:2]
+        key = ("bound", r, grank.shape, int(grank[0, 0]))
+        hit = self._bound.get(key)
+        if hit is None:
+            i, j = np.nonzero(~np.eye(ep, dtype=bool))
+            src = grank[:, i].reshape(-1)
+            dst = grank[:, j].reshape(-1)
+            indptr, links = self.cluster.paths(src, dst)
+            owner = np.repeat(np.arange(len(src)), np.diff(indptr))
+            lat = np.bincount(owner, weights=self.cluster.link_latency_s[links], minlength=len(src))
+            hit = self._bound[key] = (i, j, indptr, links, owner, lat)
+        i, j, indptr, links, owner, lat = hit
+        nb = off[:, i, j].reshape(-1)
+        load = np.bincount(links, weights=nb[owner], minlength=self.cluster.num_links)
+        per_link = load[links] / self.cluster.link_bw_Bps[links]
+        flow = np.zeros(len(nb))
+        nonempty = np.diff(indptr) > 0
+        flow[nonempty] = np.maximum.reduceat(per_link, indptr[:-1][nonempty])
+        flow = np.where(nb > 0, flow + lat, 0.0).reshape(g, -1)
+        out = np.zeros((g, ep))
+        rows = np.arange(g)[:, None]
+        np.maximum.at(out, (rows, i[None, :]), flow)
+        np.maximum.at(out, (rows, j[None, :]), flow)
+        return out
 
     def _estimate(self, off: np.ndarray, same: np.ndarray, node_inter: np.ndarray | None, ranks: np.ndarray) -> np.ndarray:
         """Per member, ``max(out, in)`` bytes per link class over its path's bandwidth, plus latency."""

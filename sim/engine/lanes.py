@@ -351,6 +351,12 @@ class LaneEngine:
             self._traced = np.flatnonzero(np.isin(self.q, [x % self.S for x in self.trace]))
         procs = [self.env.process(self._stage(r)) for r in range(self.pp)]
         self.env.run(until=self.env.all_of(procs))
+        if self.pp > 1:  # a stage that ends early idles until the last one: the next step's first
+            step = float(self.end.max())  # forward cannot reach it sooner (the pipeline bubble)
+            for r in range(self.pp):
+                self.key["pipeline_bubble"][r] += step - self.end[r]
+                self._span(r, "pipeline_bubble", self.end[r], np.full(self.n, step))
+            self.end[:] = step
         return LaneResult(
             lanes=self.lanes, positions=self.q, end_s=self.end, by_key=self.key, by_name=dict(self.by_name),
             grad_sync_s=self.streams.busy, a2a_sent_bytes=self.sent, a2a_inter_node_bytes=self.inter,

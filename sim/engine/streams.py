@@ -41,7 +41,8 @@ class Streams:
         pol = policy_of(s)
         self.bucket = pol.bucket_elements * eng.program.grad_bytes_per_param
         self.rec: dict[tuple, np.ndarray] = {}
-        self.world_box: dict[int, list] = {}
+        self.world_box: dict[tuple, list] = {}
+        self.world_seq = [0] * pp
 
     # ---- data-parallel collectives -------------------------------------------------------------
     def _duration(self, r: int, kind: str, group: str, nbytes: float) -> np.ndarray:
@@ -110,7 +111,8 @@ class Streams:
     def _world(self, r: int, t: np.ndarray):
         """An all-reduce over every rank of every stage (the gradient norm): waits for all stages."""
         eng = self.eng
-        k = len([key for key in self.world_box if key[0] == "w"])
+        k = self.world_seq[r]
+        self.world_seq[r] += 1
         box = self.world_box.setdefault(("w", k, r), [None])
         box[0] = t
         boxes = [self.world_box.get(("w", k, rr)) for rr in range(eng.pp)]
@@ -123,10 +125,11 @@ class Streams:
             if self.virtual is not None:
                 launch = max(launch, float(self.virtual.others(("w", k), per_lane[:, None]).max()))
             group = list(range(self.s.world_size))
-            ev[1] = launch + eng.times.time_s("all_reduce", group, 4.0)
+            ev[1] = (launch, launch + eng.times.time_s("all_reduce", group, 4.0))
             ev[0].succeed()
         yield ev[0]
-        return np.full(eng.n, ev[1])
+        launch, end = ev[1]
+        return np.full(eng.n, end), np.maximum(np.full(eng.n, launch), t)
 
     def tail(self, r: int, t: np.ndarray):
         eng = self.eng
@@ -143,7 +146,11 @@ class Streams:
             for group in groups:
                 start = t
                 if group == "world":
-                    t = yield from self._world(r, t)
+                    t, launch = yield from self._world(r, t)
+                    if eng.pp > 1:  # waiting for the other stages to finish their backwards: the bubble
+                        key["pipeline_bubble"][r] += launch - start
+                        eng._span(r, "pipeline_bubble", start, launch)
+                        start = launch
                 else:
                     t = self.collective(r, "all_reduce", group, 4.0, t, "grad_norm")
                 key["exposed_comm"][r] += t - start

@@ -233,6 +233,45 @@ def estimate_distinct(
     return rank_tokens.astype(np.int32), node_tokens.astype(np.int32)
 
 
+def build_balanced(scenario: Scenario, policy: RoutingPolicy) -> PlanArrays:
+    """``generator: balanced``: every expert gets exactly its share of every rank's token copies, as
+    forced-balance benchmarks route. Token ``i`` takes experts ``perm[(i k + j) mod E]``, j < k: with
+    ``balanced_pattern: contiguous`` ``perm`` is the identity (AutoModel's fake balanced gate: a token's
+    experts are neighbours, so mostly on one rank), with ``spread`` a seeded permutation per layer and
+    micro-batch (Megatron's ``moe_router_force_load_balancing`` spreads a token's experts at random).
+    Every rank routes alike, so every lane does the same work."""
+    r, m = scenario.routing, scenario.model
+    if policy.name != "topk":
+        raise InputError(f"generator: balanced routes top-k only, not {policy.label}", field="routing.policy")
+    lay = ExpertLayout.of(scenario)
+    cols = FeatureColumns.of(lay)
+    layers, micro = m.num_moe_layers, scenario.training.grad_accum_steps
+    tokens, k, e = scenario.routed_tokens_per_rank, m.top_k, m.num_experts
+    shape = (layers, micro, lay.world)
+    assigned = np.zeros((*shape, e), dtype=np.int32)
+    rank_tokens = np.zeros((*shape, lay.ep), dtype=np.int32)
+    node_tokens = np.zeros((*shape, cols.max_slots), dtype=np.int32)
+    pattern_of_rank = cols.pattern_of_group[np.arange(lay.world) // lay.ep]
+    i = np.arange(tokens)
+    for layer in range(layers):
+        for mb in range(micro):
+            if r.balanced_pattern == "spread":
+                perm = np.random.default_rng([r.seed, 18, layer, mb]).permutation(e)
+            else:
+                perm = np.arange(e)
+            chosen = perm[(i[:, None] * k + np.arange(k)[None, :]) % e]  # (tokens, k)
+            assigned[layer, mb] = np.bincount(chosen.ravel(), minlength=e)[None, :]
+            dst = chosen // lay.experts_per_rank
+            reach = np.zeros((tokens, lay.ep), dtype=bool)
+            reach[np.repeat(i, k), dst.ravel()] = True
+            rank_tokens[layer, mb] = reach.sum(axis=0)[None, :]
+            for p, slots in enumerate(cols.patterns):
+                node_reach = np.zeros((tokens, cols.max_slots), dtype=bool)
+                node_reach[np.repeat(i, k), slots[dst.ravel()]] = True
+                node_tokens[layer, mb, pattern_of_rank == p] = node_reach.sum(axis=0)
+    return PlanArrays(assigned, assigned, rank_tokens, node_tokens, np.ones(layers), np.ones(layers), None, None)
+
+
 def build_exact(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = POOL_TOKENS) -> PlanArrays:
     """Every token sampled, routed and capacity-dropped on its own rank, in DeepSpeed's order."""
     st = _Setup(scenario, policy, pool_tokens)
@@ -266,6 +305,7 @@ def build_exact(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = PO
 __all__ = [
     "POOL_TOKENS",
     "PlanArrays",
+    "build_balanced",
     "build_exact",
     "build_from_trace",
     "build_pooled",

@@ -15,7 +15,14 @@ from typing import Any
 import numpy as np
 
 from sim.inputs.scenario import Scenario
-from sim.routing.build import POOL_TOKENS, PlanArrays, build_exact, build_from_trace, build_pooled
+from sim.routing.build import (
+    POOL_TOKENS,
+    PlanArrays,
+    build_balanced,
+    build_exact,
+    build_from_trace,
+    build_pooled,
+)
 from sim.routing.capacity import deepspeed_capacity, padded_capacity
 from sim.routing.policy import ExpertLayout, RoutingPolicy
 from sim.routing.tokens import FeatureColumns
@@ -227,6 +234,8 @@ def route_scenario(
     s_tok = scenario.routed_tokens_per_rank
     if r.generator == "trace":
         arrays, used = build_from_trace(scenario, pol), "trace"
+    elif r.generator == "balanced":
+        arrays, used = build_balanced(scenario, pol), "balanced"
     else:
         work = m.num_moe_layers * scenario.training.grad_accum_steps * layout.world * s_tok * m.num_experts
         used = ("exact" if work <= EXACT_LIMIT else "pooled") if method == "auto" else method
