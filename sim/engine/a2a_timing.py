@@ -158,20 +158,19 @@ class A2ATiming:
             indptr, links = self.cluster.paths(src, dst)
             owner = np.repeat(np.arange(len(src)), np.diff(indptr))
             lat = np.bincount(owner, weights=self.cluster.link_latency_s[links], minlength=len(src))
-            hit = self._bound[key] = (i, j, indptr, links, owner, lat)
-        i, j, indptr, links, owner, lat = hit
+            nonempty = np.diff(indptr) > 0
+            hit = self._bound[key] = (i, j, indptr, links, owner, lat, 1.0 / self.cluster.link_bw_Bps[links],
+                                      indptr[:-1][nonempty], nonempty)  # fmt: skip
+        i, j, indptr, links, owner, lat, inv_bw, starts, nonempty = hit
         nb = off[:, i, j].reshape(-1)
         load = np.bincount(links, weights=nb[owner], minlength=self.cluster.num_links)
-        per_link = load[links] / self.cluster.link_bw_Bps[links]
+        per_link = load[links] * inv_bw
         flow = np.zeros(len(nb))
-        nonempty = np.diff(indptr) > 0
-        flow[nonempty] = np.maximum.reduceat(per_link, indptr[:-1][nonempty])
-        flow = np.where(nb > 0, flow + lat, 0.0).reshape(g, -1)
-        out = np.zeros((g, ep))
-        rows = np.arange(g)[:, None]
-        np.maximum.at(out, (rows, i[None, :]), flow)
-        np.maximum.at(out, (rows, j[None, :]), flow)
-        return out
+        flow[nonempty] = np.maximum.reduceat(per_link, starts)
+        flow = np.where(nb > 0, flow + lat, 0.0)
+        dense = np.zeros((g, ep, ep))
+        dense[:, i, j] = flow.reshape(g, -1)
+        return np.maximum(dense.max(axis=2), dense.max(axis=1))  # a member's sends and receives
 
     def _estimate(self, off: np.ndarray, same: np.ndarray, node_inter: np.ndarray | None, ranks: np.ndarray) -> np.ndarray:
         """Per member, ``max(out, in)`` bytes per link class over its path's bandwidth, plus latency."""

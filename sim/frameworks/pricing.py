@@ -43,6 +43,8 @@ from sim.routing.plan import RoutingPlan
 #: GEMMs split along N (column-parallel) under tensor parallelism; the rest of the TP-split ones along K.
 _COLUMN = ("linear_qkv", "linear_q", "linear_q_up", "linear_kv_up", "linear_fc1", "output_layer")
 _ROW = ("linear_proj", "linear_fc2")
+#: Routing-dependent blocks kept priced (oldest dropped first): a micro-batch's forward's for its backward.
+RECENT_BLOCKS = 512
 #: Passes a block is priced for.
 PASSES = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
@@ -76,6 +78,7 @@ class Pricer:
         #: tokens a rank holds between TP regions (norms, residual, the router): T / tp with SP
         self.T_sp = self.T // p.tp if self.sp else self.T
         self._scalar: dict[tuple, tuple[float, float, float, float]] = {}
+        self._recent: dict[tuple, tuple] = {}  # routed blocks priced lately (a forward's, for its backward)
 
     # ---- helpers ------------------------------------------------------------------------------
     def _mem(self, nbytes: float, kernels: int = 1) -> float:
@@ -154,16 +157,16 @@ class Pricer:
         """(fwd, dgrad, wgrad, FLOPs) arrays over stage positions ``q`` of a routing-dependent block."""
         plan, m, d, bpe = self.plan, self.m, self.m.hidden_size, self.bpe
         assert plan is not None
-        if name == "experts":
-            rows = plan.expert_load(moe, micro)[q]  # (n, experts_per_rank)
+        if name == "experts":  # the grouped GEMMs of the rank's experts, all experts in one vector
+            rows = plan.expert_load(moe, micro)[q].astype(np.float64)  # (n, experts_per_rank)
             width = (m.moe_ffn_hidden_size or d) // self.etp
-            f = dg = wg = fl = np.zeros(len(q))
             passes = (3 if m.ffn_type == "gated" else 2) + expert_activation_passes(m)
-            for e in range(rows.shape[1]):
-                a, b, c, x = self._gemms(expert_gemms(m), rows[:, e], self.etp)
-                act = np.where(rows[:, e] > 0, rows[:, e] * width * bpe * passes / self.cost.hbm_Bps + self.cost.launch_s, 0.0)
-                f, dg, wg, fl = f + a + act, dg + b + 2 * act, wg + c, fl + x
-            return f, dg, wg, fl
+            flat = rows.reshape(-1)
+            a, b, c, x = self._gemms(expert_gemms(m), flat, self.etp)
+            act = np.where(flat > 0, flat * width * bpe * passes / self.cost.hbm_Bps + self.cost.launch_s, 0.0)
+            shape = rows.shape
+            return ((a + act).reshape(shape).sum(axis=1), (b + 2 * act).reshape(shape).sum(axis=1),
+                    np.asarray(c).reshape(shape).sum(axis=1), np.asarray(x).reshape(shape).sum(axis=1))  # fmt: skip
         if plan.padded is not None:  # DeepSpeed's sparse routes into / out of E x C slots
             c = np.repeat(plan.padded[moe, micro].astype(np.float64), self.s.ep)[q]
             of, bf, ob, bb = dispatcher_work("encode" if name == "permute" else "decode", self.T_sp, d,
@@ -195,7 +198,13 @@ class Pricer:
         """(seconds, FLOPs) of block ``name`` of ``layer`` for pass ``part`` on stage positions ``q`` of
         pipeline stage ``stage`` (stragglers and the calibrated compute scale applied)."""
         if name in ("experts", "permute", "unpermute"):
-            f, dg, wg, fl = self._routed(name, moe, micro, q)
+            key = (name, moe, micro, len(q), hash(q.tobytes()))
+            hit = self._recent.get(key)
+            if hit is None:
+                if len(self._recent) >= RECENT_BLOCKS:
+                    self._recent.pop(next(iter(self._recent)))
+                hit = self._recent[key] = self._routed(name, moe, micro, q)
+            f, dg, wg, fl = hit
         else:
             f, dg, wg, fl = (np.full(len(q), x) for x in self._static(name, layer))
         secs = {"fwd": f, "bwd": dg + wg, "bwd_input": dg, "bwd_weight": wg}[part]
