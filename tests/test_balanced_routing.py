@@ -45,7 +45,15 @@ def test_balanced_lanes_are_identical_and_seeded():
     assert (a.arrays.rank_tokens == a.arrays.rank_tokens[:, :, :1]).all()  # every rank routes alike
 
 
-def test_balanced_needs_topk():
-    s = load_scenario(BIG, [*SMALL, "routing.policy=node_limited:M=2", "parallelism.ep=16"])
-    with pytest.raises(InputError, match="balanced routes top-k only"):
+def test_balanced_group_limited_needs_k_divisible_by_m():
+    s = load_scenario(BIG, [*SMALL, "routing.policy=device_limited:M=3"])
+    with pytest.raises(InputError, match="divisible by M"):
         route_scenario(s)
+
+
+def test_balanced_group_limited_reaches_m_groups_and_stays_balanced():
+    s = load_scenario(BIG, [*SMALL, "routing.policy=device_limited:M=4"])
+    plan = route_scenario(s)
+    t, k, e = s.routed_tokens_per_rank, s.model.top_k, s.model.num_experts
+    assert (plan.kept == t * k // e).all()
+    assert plan.summary()["summary"]["mean_ranks_per_token"] == pytest.approx(4.0)

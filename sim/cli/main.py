@@ -15,6 +15,7 @@ from sim.errors import InputError
 COMMANDS: dict[str, tuple[str, str]] = {
     "check": ("check", "validate a scenario file and print its layout"),
     "simulate": ("simulate", "simulate one training step of a scenario"),
+    "layer": ("layer", "one MoE layer's forward and backward (as Megatron's moe_perf times it)"),
     "params": ("params", "parameter and memory accounting of a scenario or HF config.json"),
     "route": ("route", "routing statistics and traffic matrices of a scenario"),
     "compare": ("compare", "routing policies side by side on the same gate scores"),

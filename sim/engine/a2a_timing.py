@@ -8,6 +8,8 @@ NVLink (DeepEP's normal kernels, DeepSeek-V3 section 3.2.2).
 
 - ``exact`` (the DES): the processor-sharing model of :class:`sim.network.comm.Comm` on the group's
   routed flows (direct: every pair; hierarchical: both phases of the DAG).
+- DeepEP / HybridEP send each token once per destination rank (the receiver copies it to its experts),
+  where NCCL's all-to-all dispatcher sends one row per (token, expert) pair.
 - estimate (ranking lanes and the data-parallel arrivals of lanes the DES does not follow): per rank
   the slowest of its NVLink and NIC links, ``max(bytes out, bytes in) / bandwidth`` per link class,
   plus the path latency; vectorised over every group at once.
@@ -29,6 +31,8 @@ from sim.network.group_times import GroupTimes
 from sim.routing.plan import RoutingPlan
 
 HIERARCHICAL = ("hierarchical", "deepep", "hybridep")
+#: dispatchers that send a token once per destination rank (and expand it there), not once per expert
+DEDUP = ("deepep", "hybridep")
 
 
 def routing_rank(s: Scenario, q: np.ndarray) -> np.ndarray:
@@ -49,6 +53,8 @@ class A2ATiming:
         self.algo = s.collectives.all_to_all
         self.elem = s.model.hidden_size * BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]
         self.ep = s.ep
+        #: bytes per element moved by dispatch and by combine (FP8 dispatch: 1 + scales)
+        self.elem_bytes = {"dispatch": self.elem, "combine": self.elem}
         self._links: dict[int, np.ndarray] | None = None
         self._bound: dict[tuple, tuple] = {}
 
@@ -87,10 +93,15 @@ class A2ATiming:
         copies = kept.reshape(len(rho), ep, ep, epr).sum(axis=3, dtype=np.int64)
         return copies.astype(np.float64) * self.elem
 
-    def _node_bytes(self, moe: int, micro: int, rho_g: np.ndarray, nodes: int) -> np.ndarray:
+    def _rank_pairs(self, moe: int, micro: int, rho: np.ndarray) -> np.ndarray:
+        """(groups, ep, ep) bytes of the distinct tokens member i sends member j (DeepEP, HybridEP)."""
+        rt = self.plan.arrays.rank_tokens[moe, micro][rho.reshape(-1)]  # (groups*ep, ep)
+        return rt.reshape(len(rho), self.ep, self.ep).astype(np.float64) * self.elem
+
+    def _node_bytes(self, moe: int, micro: int, rho_g: np.ndarray, nodes: int, direction: str = "dispatch") -> np.ndarray:
         """(ep, nodes) distinct-token bytes each member sends to each node of its group."""
         nt = self.plan.arrays.node_tokens[moe, micro][rho_g, :nodes]
-        return nt.astype(np.float64) * self.elem
+        return nt.astype(np.float64) * self.elem_bytes[direction]
 
     # ---- timing -----------------------------------------------------------------------------------
     def run(self, r: int, op: EPAllToAll, micro: int, q: np.ndarray, ranks: np.ndarray, launch: np.ndarray):
@@ -101,7 +112,13 @@ class A2ATiming:
         n_groups = len(q) // self.ep
         sel = order.reshape(n_groups, self.ep)
         rho = routing_rank(self.s, q)[sel]
-        pairs = self._pairs(op.moe, micro, rho)
+        if self.algo in DEDUP and self.plan.padded is None:  # a token goes once to each rank it needs
+            pairs = self._rank_pairs(op.moe, micro, rho)
+        else:
+            pairs = self._pairs(op.moe, micro, rho)
+        scale = self.elem_bytes[op.direction] / self.elem
+        if scale != 1.0:
+            pairs = pairs * scale
         if op.direction == "combine":
             pairs = pairs.transpose(0, 2, 1)
         gpn = self.cluster.gpus_per_node
@@ -119,7 +136,7 @@ class A2ATiming:
             nb = None
             if hier:
                 nodes = len(np.unique(grank[g] // gpn))
-                nb = self._node_bytes(op.moe, micro, rho[g], nodes)
+                nb = self._node_bytes(op.moe, micro, rho[g], nodes, op.direction)
                 if op.direction == "combine":
                     pass  # the combine's DAG returns the same node bytes back
                 own = (grank[g] // gpn)[:, None] == np.unique(grank[g] // gpn)[None, :]
@@ -140,7 +157,7 @@ class A2ATiming:
             done = self.comm.direct_a2a((("lane", r, group[0]),), [group], [pair], direction)
             return np.array([done[x] for x in group])
         dag = all_to_all_dag(self.cluster, group, pair, "hierarchical", node_bytes, direction)
-        fin = self.comm.ps_rank_finish(dag)
+        fin = self.comm.ps_rank_finish(dag, pipelined=self.algo in DEDUP)
         out = fin[np.asarray(group)]
         return np.where(np.isnan(out), 0.0, out)
 

@@ -128,6 +128,8 @@ class LaneEngine:
         self.wait_on = np.zeros((self.pp, n, self.L), dtype=np.int32) if exact else None
         self._group_time: dict[tuple, np.ndarray] = {}
         self._p2p: dict[tuple[int, int], np.ndarray] = {}
+        #: per stage, each instruction's end on every simulated rank (``moesim layer`` reads them)
+        self.marks: list[list[np.ndarray]] = [[] for _ in range(self.pp)]
 
     # ---- helpers --------------------------------------------------------------------------------
     def ranks(self, r: int) -> np.ndarray:
@@ -314,6 +316,7 @@ class LaneEngine:
             chunk = st.chunks[ins.chunk]
             if ins.kind == "W":
                 t = self._weights(r, chunk, ins.micro, t)
+                self.marks[r].append(t)
                 continue
             path = pipeline.path(sched, p.pp, p.vpp, prog.micro_batches, ins.micro)
             v = path.index((r, ins.chunk))
@@ -330,6 +333,7 @@ class LaneEngine:
                 t = yield from self._ops(r, chunk, chunk.bwd, part, ins.micro, t)
                 if v > 0:
                     self._send(("B", v - 1, ins.micro), t + self.p2p_time(r, path[v - 1][0], chunk.send_bytes))
+            self.marks[r].append(t)
         t = yield from self.streams.tail(r, t)
         self.end[r] = t
 

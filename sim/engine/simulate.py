@@ -124,9 +124,9 @@ def simulate(
 def uses_lane_engine(s: Scenario, fidelity: str, comm_model: str = "auto") -> bool:
     """Whether ``s`` runs on the layout-aware lane engine (see :func:`simulate`); the ``flow`` comm
     model exists only in the per-rank engine, for DeepSpeed data + expert parallel layouts."""
-    if s.topology.gpu.is_cpu_host:
-        return False
     p = s.parallelism
+    if s.topology.gpu.is_cpu_host and p.tp == p.cp == p.pp == 1:  # CPU ranks' host effects: per-rank engine
+        return False
     plain = (p.tp == p.cp == p.pp == p.etp == 1 and s.training.framework == "deepspeed"
              and s.training.dtype not in ("fp8", "mxfp8") and s.collectives.all_to_all in ("direct", "hierarchical")
              and not s.collectives.a2a_overlap)  # fmt: skip
@@ -220,6 +220,19 @@ def _by_kind(link_bytes: np.ndarray, s: Scenario) -> dict[str, float]:
     return out
 
 
+def _memory(s: Scenario) -> dict[str, Any]:
+    """The ``memory`` record: per stage for layouts (sim.model.stage_memory), else ZeRO's per GPU."""
+    p, t = s.parallelism, s.training
+    if p.tp == p.cp == p.pp == p.etp == 1 and t.framework == "deepspeed" and t.dtype not in ("fp8", "mxfp8"):
+        rec = memory_per_gpu(s).as_dict()
+        rec["per_stage"] = [{"stage": 0, "peak_GiB_per_gpu": rec["peak_GiB_per_gpu"], "fits": rec["fits"],
+                             "in_flight_micro_batches": 1.0}]  # fmt: skip
+        return rec
+    from sim.model.stage_memory import stage_memory_record
+
+    return stage_memory_record(s)
+
+
 def _assemble(s: Scenario, plan, sched, core: dict[str, Any], engine: str) -> dict[str, Any]:
     m, t = s.model, s.training
     world = s.world_size
@@ -228,7 +241,7 @@ def _assemble(s: Scenario, plan, sched, core: dict[str, Any], engine: str) -> di
     peak = s.topology.gpu.peak_flops(t.dtype)
     flops = model_flops_per_token(m, t.seq_len) * tokens
     counts = count_params(m)
-    mem = memory_per_gpu(s)
+    mem = _memory(s)
     summary = plan.summary()["summary"] if plan is not None else {}
     sent, inter = core["traffic_core"]["a2a_bytes"], core["traffic_core"]["inter_node_bytes"]
     out: dict[str, Any] = {
@@ -253,7 +266,7 @@ def _assemble(s: Scenario, plan, sched, core: dict[str, Any], engine: str) -> di
             "mean_nodes_per_token": summary.get("mean_nodes_per_token"),
             "units": "bytes per GPU per step, all-to-alls of forward and backward (sent off the GPU)",
         },
-        "memory": mem.as_dict(),
+        "memory": mem,
         "params": {"total": counts.total, "active": counts.active},
         "layout": {**s.layout.describe(), "nodes": s.cluster.nodes, "gpus_per_node": s.gpus_per_node,
                    "zero_stage": s.parallelism.zero_stage, "framework": t.framework,

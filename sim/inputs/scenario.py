@@ -358,6 +358,8 @@ def read_scenario(path: str | Path, overrides: list[str] | tuple[str, ...] = ())
     The fault targets are checked against the cluster by :func:`sim.api.load_scenario`."""
     path = Path(path)
     data = load_yaml_mapping(path, "scenario file")
+    if isinstance(data.get("scenario"), dict) and "measured" in data:  # a validation/published entry
+        data = dict(data["scenario"])
     for text in overrides:
         key, value = parse_override(text)
         apply_override(data, key, value)

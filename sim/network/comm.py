@@ -183,12 +183,18 @@ class Comm:
             hit = self._path_cache[key] = _Paths(self.cluster, src, dst)
         return hit
 
-    def ps_rank_finish(self, dag: TransferDag) -> np.ndarray:
+    def ps_rank_finish(self, dag: TransferDag, pipelined: bool = False) -> np.ndarray:
         """(world,) seconds from launch until each rank's last transfer of ``dag`` ends (NaN: not in
-        it), phases in sequence, each phase starting when the previous one has ended everywhere."""
+        it), phases in sequence, each phase starting when the previous one has ended everywhere; with
+        ``pipelined`` the phases run at once, sharing links (a kernel that forwards chunks as they
+        arrive, as DeepEP's RDMA and NVLink stages do)."""
         out = np.full(self.cluster.world_size, np.nan)
         start = 0.0
         phases = np.unique(dag.phase) if len(dag.phase) else np.zeros(0, np.int64)
+        if pipelined:
+            phases = phases[:1]
+            dag = TransferDag(dag.src, dag.dst, dag.nbytes, dag.prereq_indptr, dag.prereq,
+                              np.full(len(dag.phase), phases[0] if len(phases) else 0, dtype=dag.phase.dtype), dag.steps)  # fmt: skip
         for p in phases:
             sel = dag.phase == p if len(phases) > 1 else slice(None)
             src, dst, nb = dag.src[sel], dag.dst[sel], dag.nbytes[sel]

@@ -241,8 +241,6 @@ def build_balanced(scenario: Scenario, policy: RoutingPolicy) -> PlanArrays:
     micro-batch (Megatron's ``moe_router_force_load_balancing`` spreads a token's experts at random).
     Every rank routes alike, so every lane does the same work."""
     r, m = scenario.routing, scenario.model
-    if policy.name != "topk":
-        raise InputError(f"generator: balanced routes top-k only, not {policy.label}", field="routing.policy")
     lay = ExpertLayout.of(scenario)
     cols = FeatureColumns.of(lay)
     layers, micro = m.num_moe_layers, scenario.training.grad_accum_steps
@@ -253,13 +251,26 @@ def build_balanced(scenario: Scenario, policy: RoutingPolicy) -> PlanArrays:
     node_tokens = np.zeros((*shape, cols.max_slots), dtype=np.int32)
     pattern_of_rank = cols.pattern_of_group[np.arange(lay.world) // lay.ep]
     i = np.arange(tokens)
+    limited = policy.name != "topk"
+    if limited:  # group-limited: M groups per token, k / M experts in each, both taken round-robin
+        gs, mg = int(policy.group_size), int(policy.max_groups)
+        if k % mg:
+            raise InputError(f"generator: balanced with {policy.label} needs top_k ({k}) divisible by M ({mg})",
+                             field="routing.max_groups")  # fmt: skip
+        per, n_groups = k // mg, e // gs
     for layer in range(layers):
         for mb in range(micro):
-            if r.balanced_pattern == "spread":
-                perm = np.random.default_rng([r.seed, 18, layer, mb]).permutation(e)
+            rng = np.random.default_rng([r.seed, 18, layer, mb])
+            if limited:
+                gperm = rng.permutation(n_groups) if r.balanced_pattern == "spread" else np.arange(n_groups)
+                slot = i[:, None] * mg + np.arange(mg)[None, :]  # (tokens, M) group slots
+                group = gperm[slot % n_groups]
+                visit = slot // n_groups  # how often this group was taken before
+                inner = (visit[:, :, None] * per + np.arange(per)[None, None, :]) % gs
+                chosen = (group[:, :, None] * gs + inner).reshape(tokens, k)
             else:
-                perm = np.arange(e)
-            chosen = perm[(i[:, None] * k + np.arange(k)[None, :]) % e]  # (tokens, k)
+                perm = rng.permutation(e) if r.balanced_pattern == "spread" else np.arange(e)
+                chosen = perm[(i[:, None] * k + np.arange(k)[None, :]) % e]  # (tokens, k)
             assigned[layer, mb] = np.bincount(chosen.ravel(), minlength=e)[None, :]
             dst = chosen // lay.experts_per_rank
             reach = np.zeros((tokens, lay.ep), dtype=bool)

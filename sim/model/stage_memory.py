@@ -1,0 +1,132 @@
+"""Memory per pipeline stage of a layout (tp, cp, pp with vpp or DualPipe, ep with etp, dp).
+
+Each stage holds the parameters of its model chunks (:mod:`sim.inputs.stages`): dense layers split
+over ``tp`` (column/row-parallel weights; norms, router and shared experts replicated), its ranks'
+experts (``E / ep`` per rank, split over ``etp``), the embedding on the first stage and the LM head on
+the last (both split over ``tp``); DualPipe keeps both of a rank's stages (two copies). Sharding by
+framework (:mod:`sim.frameworks.policies`): DeepSpeed's ZeRO stage over dp (experts over edp);
+Megatron's distributed optimizer keeps bf16 weights and an fp32 gradient buffer on every rank and
+shards the fp32 master weights and Adam moments over dp (Megatron-Core ``DistributedOptimizer``);
+FSDP2 shards weights, gradients and optimizer states (one gathered block at a time on top).
+
+Activations (Korthikanti et al. 2022 sec. 4.2, as :mod:`sim.model.memory` counts a layer) scale with
+the micro-batches a stage holds at once: 1F1B's stage r holds ``min(pp - r, m)`` (PipeDream-Flush),
+interleaving's ``min((pp - r - 1) 2 + (vpp - 1) pp + 1, m vpp)`` model chunks of ``1 / vpp`` of its
+layers (Narayanan et al. 2021 sec. 2.2; Megatron's warm-up count), DualPipe ``pp + 1`` micro-batches
+(DeepSeek-V3 report, table 2). Under sequence parallelism a rank keeps ``1 / tp`` of a layer's
+activations, under context parallelism ``1 / cp``.
+"""
+
+from __future__ import annotations
+
+from sim.inputs.scenario import Scenario
+from sim.inputs.stages import rank_chunks
+from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div, storage_dtype
+from sim.model.memory import (
+    FP32_BYTES,
+    GiB,
+    MemoryBreakdown,
+    layer_activation_bytes,
+    model_state_bytes,
+    optimizer_bytes_per_param,
+)
+from sim.model.params import count_params, layer_params
+
+
+def in_flight(s: Scenario, rank: int) -> float:
+    """Micro-batches' worth of one stage's activations the pipeline keeps alive at its peak."""
+    p, m = s.parallelism, s.training.grad_accum_steps
+    if p.pp == 1:
+        return 1.0
+    if p.schedule == "dualpipe":
+        return float(min(p.pp + 1, m))
+    if p.schedule == "interleaved" and p.vpp > 1:
+        chunks = min((p.pp - rank - 1) * 2 + (p.vpp - 1) * p.pp + 1, m * p.vpp)
+        return chunks / p.vpp
+    return float(min(p.pp - rank, m))
+
+
+def _stage_params(s: Scenario, rank: int) -> tuple[int, int, list[int]]:
+    """(non-expert params, expert params, layers) on one rank of pipeline stage ``rank``."""
+    m, p = s.model, s.parallelism
+    chunks = rank_chunks(s)[rank]
+    counts = count_params(m)
+    final_norm = counts.norms - sum(layer_params(m, i).norms for i in range(m.num_layers))
+    output = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size
+    ne = ex = 0
+    layers: list[int] = []
+    for vs in chunks:
+        for i in vs.layers:
+            lp = layer_params(m, i)
+            ne += (lp.attention + lp.dense_ffn) // p.tp + lp.shared_expert + lp.router + lp.norms
+            ex += ceil_div(lp.expert_each * s.experts_per_rank, p.etp)
+            layers.append(i)
+        if vs.embedding:
+            ne += (counts.embedding - output) // p.tp
+        if vs.head:
+            ne += output // p.tp + final_norm + counts.mtp
+            ex += ceil_div(counts.mtp_expert, s.ep * p.etp)
+    return ne, ex, layers
+
+
+def _states(s: Scenario, ne: int, ex: int) -> tuple[int, int, int, int]:
+    """(weights, gradients, optimizer states, host) bytes of ``ne`` dense and ``ex`` expert params."""
+    t = s.training
+    wb = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
+    k = optimizer_bytes_per_param(storage_dtype(t.dtype), t.optimizer)
+    offload = t.offload_optimizer == "cpu"
+    dp_shard = s.dp * s.parallelism.cp
+    if t.framework == "megatron":  # bf16 weights + fp32 main grads everywhere, fp32 states sharded
+        w = (ne + ex) * wb
+        g = (ne + ex) * FP32_BYTES
+        o = ceil_div(ne, dp_shard) * k + ceil_div(ex, s.edp) * k
+        return w, g, o, 0
+    stage = 3 if t.framework == "fsdp2" else s.parallelism.zero_stage
+    a = model_state_bytes(ne, dp_shard, stage, wb, k, offload)
+    b = model_state_bytes(ex, s.edp, stage, wb, k, offload)
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
+
+
+def _activations(s: Scenario, layers: list[int], rank: int, head: bool) -> int:
+    m, t, p = s.model, s.training, s.parallelism
+    act = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
+    split = p.cp * (p.tp if s.sequence_parallel else 1)
+    tokens = t.micro_batch_size * t.seq_len // split
+    rows = s.routed_tokens_per_rank * m.top_k
+    per = [layer_activation_bytes(m, tokens, t.seq_len, t.micro_batch_size, act,
+                                  rows if layer_params(m, i).num_experts else None) for i in layers]  # fmt: skip
+    logits = tokens * m.vocab_size // p.tp * FP32_BYTES if head else 0
+    if not per:
+        return logits
+    if t.activation_checkpointing == "full":
+        one = len(per) * tokens * m.hidden_size * act
+        return int(one * in_flight(s, rank)) + max(per) + logits
+    return int(sum(per) * in_flight(s, rank)) + logits
+
+
+def memory_per_stage(s: Scenario) -> list[MemoryBreakdown]:
+    """One :class:`MemoryBreakdown` per pipeline stage (its rank's peak estimate)."""
+    out = []
+    for rank in range(s.parallelism.pp):
+        ne, ex, layers = _stage_params(s, rank)
+        w, g, o, host = _states(s, ne, ex)
+        head = any(vs.head for vs in rank_chunks(s)[rank])
+        act = _activations(s, layers, rank, head)
+        a2a = 2 * s.routed_tokens_per_rank * s.model.top_k * s.model.hidden_size * BYTES_PER_ELEMENT[
+            storage_dtype(s.training.dtype)] if s.model.num_moe_layers and s.ep > 1 else 0  # fmt: skip
+        out.append(MemoryBreakdown(w, g, o, act, a2a, host * s.gpus_per_node, s.topology.gpu.hbm_GiB))
+    return out
+
+
+def stage_memory_record(s: Scenario) -> dict:
+    """The JSON ``memory`` section of a layout: the worst stage's figures and ``per_stage``."""
+    stages = memory_per_stage(s)
+    worst = max(stages, key=lambda b: b.total)
+    rec = worst.as_dict()
+    rec["per_stage"] = [{"stage": i, "peak_GiB_per_gpu": b.total / GiB, "fits": b.fits,
+                         "in_flight_micro_batches": in_flight(s, i)} for i, b in enumerate(stages)]  # fmt: skip
+    rec["fits"] = all(b.fits for b in stages)
+    return rec
+
+
+__all__ = ["in_flight", "memory_per_stage", "stage_memory_record"]

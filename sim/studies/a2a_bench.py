@@ -1,0 +1,118 @@
+"""All-to-all kernel benchmarks (the ``a2a`` entries of ``validation/published``) in simulation.
+
+- DeepEP normal kernels (``tests/test_intranode.py`` / ``test_internode.py``): 4096 tokens per rank, h
+  7168, top-8 of ``(256 // ranks) x ranks`` experts on random scores (internode: top-``min(nodes, 4)``
+  node groups first), FP8 dispatch (1 + 1/32 bytes per element with the scales), BF16 combine. The
+  benchmark's bandwidth counts received bytes deduplicated per rank (intranode "NVL") or tokens sent
+  per destination node, the own node included (internode "RDMA"), over the kernel's time.
+- HybridEP (``README_Hybrid-EP.md``): the same workload in BF16, "algorithm bandwidth" as DeepEP's.
+- nccl-tests ``alltoall_perf``: ``busbw = S / t x (n-1)/n`` (:mod:`sim.network.nccl_tests`).
+
+The simulated kernel is the dispatcher of :mod:`sim.engine.a2a_timing` (``deepep``/``hybridep``:
+RDMA to the same-index GPU of each node, NVLink forwarding, each token once per rank) timed by its
+exact (processor-sharing) model; the kernel's own launch and the SMs it runs on are not modelled.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from sim.api import scenario_from_dict
+from sim.engine.a2a_timing import A2ATiming
+from sim.engine.simulate import _cluster
+from sim.frameworks.program import EPAllToAll
+from sim.routing.plan import route_scenario
+
+
+def _scenario(sc: dict[str, Any], point: dict[str, Any], entry) -> Any:
+    nodes = int(point.get("nodes", sc.get("nodes", 1)))
+    ep = int(point.get("ep", point.get("ranks", nodes * 8)))
+    if "num_experts_per_rank" in sc:
+        experts = int(sc["num_experts_per_rank"]) * ep
+    else:
+        experts = int(sc.get("num_experts", 256))
+        experts = (experts // ep) * ep if experts >= ep else ep
+    routing = dict(sc.get("routing", {"generator": "uniform"}))
+    if str(routing.get("policy", "topk")).startswith("node_limited"):
+        routing["policy"] = "topk" if nodes == 1 else f"node_limited:M={min(nodes, 4)}"
+    data = {
+        "name": f"{entry['id']}-ep{ep}",
+        "cluster": {"topology": sc["topology"], "nodes": nodes, "gpus_per_node": ep // nodes},
+        "model": {"num_layers": 1, "hidden_size": int(sc["hidden_size"]), "num_attention_heads": 1,
+                  "vocab_size": 8, "ffn_type": "plain", "moe_ffn_hidden_size": 8, "num_experts": experts,
+                  "top_k": int(sc["top_k"])},
+        "parallelism": {"ep": ep, "zero_stage": 0},
+        "training": {"micro_batch_size": 1, "seq_len": int(sc["tokens_per_rank"]), "dtype": "bf16"},
+        "routing": {**routing, "dispatch": "dropless", "capacity_factor": None, "seed": 0},
+        "collectives": {"all_to_all": "deepep"},
+    }  # fmt: skip
+    return scenario_from_dict(data, source=str(entry["_path"]), base_dir=entry["_path"].parent)
+
+
+def dispatcher_bandwidth(sc: dict[str, Any], point: dict[str, Any], entry) -> dict[str, float]:
+    """Simulated dispatch and combine times of one EP group and the benchmark's bandwidths."""
+    s = _scenario(sc, point, entry)
+    plan = route_scenario(s)
+    cluster = _cluster(s)
+    import simpy
+
+    timing = A2ATiming(s, plan, cluster, simpy.Environment(), exact=True)
+    h = s.model.hidden_size
+    timing.elem_bytes = {"dispatch": h * float(sc.get("dispatch_bytes_per_element", 2)),
+                         "combine": h * float(sc.get("combine_bytes_per_element", 2))}  # fmt: skip
+    q = np.arange(s.ep)
+    out: dict[str, float] = {}
+    nodes = s.cluster.nodes
+    rank_tokens = plan.arrays.rank_tokens[0, 0].astype(np.float64)  # (ep, ep) distinct tokens src -> dst
+    node_tokens = plan.arrays.node_tokens[0, 0][:, :nodes].astype(np.float64)
+    for direction in ("dispatch", "combine"):
+        op = EPAllToAll(direction, direction, 0, 0)
+        fin, _, _ = timing.run(0, op, 0, q, q, np.zeros(s.ep))
+        t = float(fin.mean())
+        per_elem = timing.elem_bytes[direction]
+        # intranode: NVL bytes received, one copy per rank, own rank included; internode: RDMA
+        # tokens sent per destination node, own node included
+        moved = (rank_tokens.sum(axis=0) if nodes == 1 else node_tokens.sum(axis=1)) * per_elem
+        out[f"{direction}_s"] = t
+        out[f"{direction}_GBps"] = float(moved.mean()) / t / 1e9
+    return out
+
+
+def a2a_rows(entry) -> list:
+    from sim.studies.published import Row
+
+    sc, m = entry["scenario"], entry["measured"]
+    rows = []
+    if sc.get("collective") == "all_to_all" or "nccl" in str(sc.get("kernel", "")):
+        from sim.hardware.cluster import build_cluster
+        from sim.inputs.topology import load_topology
+        from sim.network.nccl_tests import measure
+
+        cluster = build_cluster(load_topology(sc["topology"]), int(sc.get("nodes", 1)), sc.get("gpus_per_node"))
+        for pt in m["points"]:
+            got = measure(cluster, "all_to_all", "direct", [int(pt.get("bytes", sc.get("bytes")))])[0]
+            rows.append(Row(entry["id"], "a2a", entry["title"], f"busbw_GBps@{got['bytes']}", float(pt["busbw_GBps"]),
+                            got["busbw_GBps"], got["busbw_GBps"] / float(pt["busbw_GBps"]) - 1))  # fmt: skip
+        return rows
+    if "low-latency" in str(sc.get("kernel", "")).lower() or "low latency" in entry["title"].lower():
+        return [Row(entry["id"], "a2a", entry["title"], "-", float("nan"), None, None,
+                    note="not simulated: DeepEP's low-latency kernels (pure RDMA, IBGDA) are not modelled")]  # fmt: skip
+    points = m.get("points") or [dict(m)]
+    sc_points = sc.get("points") or [{}] * len(points)
+    for pt, spt in zip(points, sc_points, strict=False):
+        bw = dispatcher_bandwidth(sc, {**spt, **{k: pt[k] for k in ("ep", "nodes", "ranks") if k in pt}}, entry)
+        tag = f"@ep{pt.get('ep', pt.get('ranks', ''))}"
+        if "kernel" in pt or "sms" in pt:
+            tag += f" {pt.get('kernel', '')} {pt.get('sms', '')} SMs".rstrip()
+        for direction in ("dispatch", "combine"):
+            key = f"{direction}_GBps"
+            for measured_key in (key, f"{direction}_bf16_GBps"):
+                if measured_key in pt:
+                    rows.append(Row(entry["id"], "a2a", entry["title"], measured_key + tag, float(pt[measured_key]),
+                                    bw[key], bw[key] / float(pt[measured_key]) - 1))  # fmt: skip
+    return rows
+
+
+__all__ = ["a2a_rows", "dispatcher_bandwidth"]

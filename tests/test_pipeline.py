@@ -1,0 +1,115 @@
+"""Pipeline and tensor parallelism against closed forms: the schedules' checker, the 1F1B bubble
+(p-1)/(m+p-1) and its division by v under interleaving, TP bytes per layer, p2p bytes per
+micro-batch, and the in-flight micro-batches of each schedule's memory."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+from conftest import ROOT
+
+from sim.api import load_scenario
+from sim.engine.simulate import cost_model, simulate
+from sim.frameworks import pipeline as P
+from sim.frameworks.builder import build_program
+from sim.frameworks.program import GroupComm, Kernels
+from sim.model.stage_memory import in_flight, memory_per_stage
+
+BIG = ROOT / "scenarios" / "128gpu.yaml"
+
+
+@pytest.mark.parametrize("schedule,pp,vpp,m", [
+    ("1f1b", 1, 1, 4), ("1f1b", 2, 1, 1), ("1f1b", 4, 1, 8), ("1f1b", 8, 1, 3), ("interleaved", 2, 2, 4),
+    ("interleaved", 4, 2, 8), ("interleaved", 4, 3, 12), ("dualpipe", 2, 1, 4), ("dualpipe", 4, 1, 8),
+    ("dualpipe", 8, 1, 20),
+])  # fmt: skip
+def test_every_schedule_passes_the_checker(schedule, pp, vpp, m):
+    seqs = P.build(schedule, pp, vpp, m)
+    P.check(schedule, pp, vpp, m, seqs)
+
+
+def test_the_checker_catches_a_deadlock_and_a_missing_pass():
+    seqs = P.build("1f1b", 4, 1, 8)
+    bad = [list(s) for s in seqs]
+    bad[3] = [bad[3][1], bad[3][0], *bad[3][2:]]  # the last stage runs B0 before F0
+    with pytest.raises(AssertionError):
+        P.check("1f1b", 4, 1, 8, bad)
+    bad = [list(s) for s in seqs]
+    bad[0] = [x for x in bad[0] if x != P.Instr("B", 0, 0)]
+    with pytest.raises(AssertionError, match="wrong passes"):
+        P.check("1f1b", 4, 1, 8, bad)
+    bad = [list(s) for s in seqs]
+    bad[1], bad[2] = bad[2], bad[1]  # ranks swapped: rank 1 waits for stage 2's gradients first
+    with pytest.raises(AssertionError):
+        P.check("1f1b", 4, 1, 8, bad)
+
+
+def _ideal_topology(tmp_path):
+    """dgx-h100 with free communication (huge links, no latency) and free kernel launches."""
+    topo = yaml.safe_load((ROOT / "topologies" / "dgx-h100.yaml").read_text())
+    topo["name"] = "ideal"
+    topo["node"]["gpus_per_node"] = 4
+    for sec in ("intra", "pcie_host"):
+        topo["node"][sec].update(line_bw_GBps=1e8, latency_us=0.0)
+    topo["scaleout"].update(nic_line_Gbps=1e9, latency_us=0.0, nics_per_node=4)
+    path = tmp_path / "ideal.yaml"
+    path.write_text(yaml.safe_dump(topo))
+    return path
+
+
+def _dense_pipeline(tmp_path, pp: int, m: int, vpp: int = 1, schedule: str | None = None):
+    topo = _ideal_topology(tmp_path)
+    over = ["model.num_experts=1", "model.top_k=1", "model.moe_ffn_hidden_size=null", "model.vocab_size=8",
+            "model.num_layers=16", "model.hidden_size=1024", "model.num_attention_heads=8", "model.num_kv_heads=8",
+            "model.head_dim=128", "model.ffn_hidden_size=4096", f"cluster.topology={topo}", "cluster.nodes=1",
+            f"parallelism.pp={pp}", "parallelism.ep=1", "parallelism.zero_stage=0", f"parallelism.vpp={vpp}",
+            f"training.grad_accum_steps={m}", "training.seq_len=4096", "training.optimizer=sgd"]  # fmt: skip
+    if schedule:
+        over.append(f"parallelism.pp_schedule={schedule}")
+    return load_scenario(BIG, over)
+
+
+@pytest.mark.parametrize("pp,m", [(4, 8), (2, 4), (4, 16)])
+def test_1f1b_bubble_is_p_minus_1_over_m_plus_p_minus_1(tmp_path, pp, m):
+    s = _dense_pipeline(tmp_path, pp, m)
+    r = simulate(s, fidelity="full")
+    b = r["breakdown_s"]
+    frac = b["pipeline_bubble"] / (b["pipeline_bubble"] + b["compute"])
+    assert frac == pytest.approx((pp - 1) / (m + pp - 1), rel=0.03)
+
+
+def test_interleaving_divides_the_bubble_by_v(tmp_path):
+    plain = simulate(_dense_pipeline(tmp_path, 4, 8), fidelity="full")["breakdown_s"]["pipeline_bubble"]
+    inter = simulate(_dense_pipeline(tmp_path, 4, 8, vpp=2), fidelity="full")["breakdown_s"]["pipeline_bubble"]
+    assert inter == pytest.approx(plain / 2, rel=0.05)
+
+
+def test_tp_bytes_per_layer_and_p2p_bytes_per_micro_batch():
+    s = load_scenario(BIG, ["parallelism.tp=2", "parallelism.pp=4", "model.first_dense_layers=1"])
+    prog = build_program(s, cost_model(s))
+    t, d = s.training.micro_batch_size * s.training.seq_len, s.model.hidden_size
+    ops = prog.stages[0].chunks[0].fwd
+    dense = [op for op in ops if isinstance(op, GroupComm) and op.layer == 0]
+    # sequence parallelism: all-gather and reduce-scatter of the whole s x b x h activation around
+    # attention and around the MLP (Korthikanti et al. 2022 sec. 4.2.2), bf16
+    assert [op.kind for op in dense] == ["all_gather", "reduce_scatter"] * 2
+    assert all(op.nbytes == t * d * 2 for op in dense)
+    no_sp = load_scenario(BIG, ["parallelism.tp=2", "parallelism.sequence_parallel=false"])
+    ops = build_program(no_sp, cost_model(no_sp)).stages[0].chunks[0].fwd
+    assert [op.kind for op in ops if isinstance(op, GroupComm) and op.layer == 0] == ["all_reduce"]
+    # p2p: each rank sends its sequence-parallel shard of the activations, t / tp x h x 2 bytes
+    assert prog.stages[0].chunks[0].send_bytes == t // 2 * d * 2
+    assert any(isinstance(op, Kernels) for op in ops)
+
+
+def test_in_flight_micro_batches_per_schedule():
+    s = load_scenario(BIG, ["parallelism.pp=4", "training.grad_accum_steps=8"])
+    assert [in_flight(s, r) for r in range(4)] == [4, 3, 2, 1]  # PipeDream-Flush: pp - r
+    v = load_scenario(BIG, ["parallelism.pp=4", "parallelism.vpp=2", "training.grad_accum_steps=8"])
+    assert [in_flight(v, r) for r in range(4)] == [(3 * 2 + 4 + 1) / 2, (2 * 2 + 4 + 1) / 2, (2 + 4 + 1) / 2, 5 / 2]
+    d = load_scenario(BIG, ["parallelism.pp=4", "parallelism.pp_schedule=dualpipe", "training.grad_accum_steps=8"])
+    assert in_flight(d, 0) == 5  # DeepSeek-V3 table 2: PP + 1
+    stages = memory_per_stage(s)
+    assert stages[0].activations > stages[-1].activations - stages[-1].activations // 2  # more in flight first
+    dual = memory_per_stage(d)
+    assert dual[0].weights > stages[0].weights  # DualPipe holds two stages' parameters
