@@ -49,14 +49,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hw_validate.calibrate_fit import STATS, CalibrationRun, fit_all
+from hw_validate.calibrate_fit import STATS, CalibrationRun, desync_figures, fit_all
 from hw_validate.desync import REFERENCE, profile_job
 from hw_validate.fits.links import bench_cluster
 from hw_validate.fits.reference_job import fit_call_overhead, fit_compute_scale
 from hw_validate.microbenchmarks.runner import run_microbench
 from hw_validate.microbenchmarks.spec import build_spec, scenario_shapes
 from sim.errors import InputError
-from sim.inputs.calibration import save_calibration
+from sim.inputs.calibration import Calibration, save_calibration
+from sim.reports.progress import part
 
 LAUNCHERS = ("torchrun", "deepspeed")
 BACKENDS = ("gloo", "nccl")
@@ -145,27 +146,23 @@ def calibrate(
     say(f"microbenchmarks: {nproc} {backend} ranks ({launcher}), {_count_items(spec, nproc)} items"
         f"{' (quick)' if quick else ''}")  # fmt: skip
     t0 = time.monotonic()
-    raw = run_microbench(spec, nproc, launcher, timeout_s, echo)
+    stages = 3 if desync_path is not None else 2  # parts of the progress bar: measure, reference job, fit
+    with part(0, stages, "microbenchmarks"):
+        raw = run_microbench(spec, nproc, launcher, timeout_s, echo)
     say(f"measured in {time.monotonic() - t0:.1f} s")
     with tempfile.TemporaryDirectory(prefix="moesim-refjob-") as job_dir:
         if desync_path is not None:
             say(f"rank desync: a real job of {desync_path} on {nproc} ranks, per-call spans")
-            raw["desync"] = profile_job(nproc, desync_path, timeout_s=timeout_s, echo=echo, job_dir=job_dir)
+            with part(1, stages, "reference job"):
+                raw["desync"] = profile_job(nproc, desync_path, timeout_s=timeout_s, echo=echo, job_dir=job_dir)
             say(f"desync job: {raw['desync']['calls']} blocking calls in {raw['desync']['job_wall_s']:.1f} s")
         say("fitting links, GEMM, memory, attention, optimizer, desync")
         t1 = time.monotonic()
-        run = fit_all(raw, topology, spec, stat=stat)
-        desync_fit = run.calibration.sweeps.get("desync")
-        if desync_fit:
-            scale = fit_compute_scale(run.calibration, desync_fit)
-            desync_fit["compute"] = scale
-            if scale is not None:
-                run.calibration.compute_scale = scale["compute_scale"]
-            overhead = fit_call_overhead(run.calibration, desync_fit)
-            desync_fit.pop("job", None)  # temporary paths: not part of the record
-            desync_fit["call_overhead"] = overhead
-            if overhead is not None:
-                run.calibration.call_overhead_us = overhead["call_overhead_us"]
+        with part(stages - 1, stages, "fitting"):
+            run = fit_all(raw, topology, spec, stat=stat)
+            desync_fit = run.calibration.sweeps.get("desync")
+            if desync_fit:
+                fit_in_job_factors(run.calibration, desync_fit)
     run.calibration.sweeps["fit_wall_s"] = time.monotonic() - t1
     run.calibration.sweeps["job_wall_s"] = t1 - t0
     if scenarios:
@@ -177,6 +174,54 @@ def calibrate(
             raise InputError(f"cannot write '{out}': {exc.strerror or exc}", field="--out") from None
         say(f"wrote {out}")
     return run
+
+
+def fit_in_job_factors(calibration: Calibration, profile: dict) -> None:
+    """Set ``compute_scale`` and then ``call_overhead_us`` of ``calibration`` (in place) from the
+    reference job kept with ``profile`` (:mod:`hw_validate.fits.reference_job`), each fit recorded
+    in ``profile`` (``compute``, ``call_overhead``); the job's temporary paths are dropped."""
+    calibration.compute_scale = calibration.call_overhead_us = None
+    scale = fit_compute_scale(calibration, profile)
+    profile["compute"] = scale
+    if scale is not None:
+        calibration.compute_scale = scale["compute_scale"]
+    overhead = fit_call_overhead(calibration, profile)
+    profile.pop("job", None)  # temporary paths: not part of the record
+    profile["call_overhead"] = overhead
+    if overhead is not None:
+        calibration.call_overhead_us = overhead["call_overhead_us"]
+
+
+def refit_reference_job(calibration: Calibration, nproc: int, timeout_s: float = 900.0, echo: bool = False,
+                        progress=None) -> Calibration:  # fmt: skip
+    """A copy of ``calibration`` (a full one, with the microbenchmark sweeps) whose in-job figures
+    come from a reference job run now: late wake-ups, compute noise and stalls (the desync profile,
+    :func:`hw_validate.calibrate_fit.desync_figures`), then the compute scale and call overhead
+    (:func:`fit_in_job_factors`). What moves a CPU-rank prediction with the machine's load is in
+    these; the microbenchmark fits are kept (``moesim validate`` without ``--calibration``)."""
+    from hw_validate.fits.cpu_ranks import fit_noise, fit_wake
+
+    say = progress or (lambda line: None)
+    cal = calibration.model_copy(deep=True)
+    sweeps = cal.sweeps
+    wake_rows, noise_rows = sweeps.get("wake") or [], sweeps.get("noise") or []
+    loops_wake, loops_cv = fit_wake([dict(r) for r in wake_rows]), fit_noise([dict(r) for r in noise_rows])
+    with tempfile.TemporaryDirectory(prefix="moesim-refjob-") as job_dir:
+        say(f"reference job: {REFERENCE.name} on {nproc} ranks, per-call spans")
+        t0 = time.monotonic()
+        with part(0, 2, "reference job"):
+            profile = profile_job(nproc, REFERENCE, timeout_s=timeout_s, echo=echo, job_dir=job_dir)
+        say(f"reference job: {profile['calls']} blocking calls in {profile['job_wall_s']:.1f} s; fitting")
+        wake, cv, pauses = desync_figures(profile, wake_rows, loops_wake, loops_cv)
+        cal.wake_delay_p, cal.wake_delay_cap_s = wake if wake is not None else (None, None)
+        cal.compute_noise_cv = cv
+        cal.pause_rate_per_s, cal.pause_mean_s = pauses if pauses is not None else (None, None)
+        with part(1, 2, "fitting"):
+            fit_in_job_factors(cal, profile)
+    sweeps["desync"] = profile
+    sweeps["refit"] = {"job_wall_s": profile["job_wall_s"], "wall_s": time.monotonic() - t0,
+                       "unix_s": time.time()}  # fmt: skip
+    return cal
 
 
 def _desync_scenario(desync, backend: str, nproc: int, quick: bool) -> Path | None:
@@ -204,4 +249,5 @@ def _count_items(spec: dict[str, Any], nproc: int) -> int:
             + len(spec.get("optimizer_params", ())))  # fmt: skip
 
 
-__all__ = ["BACKENDS", "LAUNCHERS", "CalibrationRun", "calibrate", "check_writable"]
+__all__ = ["BACKENDS", "LAUNCHERS", "CalibrationRun", "calibrate", "check_writable", "fit_in_job_factors",
+           "refit_reference_job"]

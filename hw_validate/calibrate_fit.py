@@ -68,6 +68,25 @@ def select_stat(raw: dict[str, Any], stat: str = "median") -> dict[str, Any]:
     return out
 
 
+def desync_figures(desync: dict[str, Any], wake_rows: list[dict], wake: tuple[float, float] | None,
+                   noise_cv: float | None) -> tuple[tuple[float, float] | None, float | None, tuple[float, float] | None]:  # fmt: skip
+    """``(wake, noise_cv, pauses)`` with the reference job's profile ``desync``
+    (:func:`hw_validate.desync.profile_job`) in place of the microbenchmark loops' ``wake`` (p,
+    cap) and ``noise_cv`` where it fits them (``wake_rows``: the loops' rows; their zero-segment
+    spread is the collective's own exit skew). Both sets are recorded in ``desync`` (``microbench``,
+    ``fit``), which the report prints."""
+    base = next((r["mean_spread_s"] for r in wake_rows if r["segment_s"] == 0 and r.get("mean_spread_s") is not None), None)
+    dwake, dcv = fit_profile(desync, base)
+    pauses = fit_pause_profile(desync)
+    desync["microbench"] = {"compute_noise_cv": noise_cv, "wake_delay_p": wake[0] if wake else None,
+                            "wake_delay_cap_s": wake[1] if wake else None}  # fmt: skip
+    desync["fit"] = {"compute_noise_cv": dcv, "wake_delay_p": dwake[0] if dwake else None,
+                     "wake_delay_cap_s": dwake[1] if dwake else None,
+                     "pause_rate_per_s": pauses[0] if pauses else None,
+                     "pause_mean_s": pauses[1] if pauses else None}  # fmt: skip
+    return (dwake if dwake is not None else wake), (dcv if dcv is not None else noise_cv), pauses
+
+
 def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "median") -> CalibrationRun:
     """Every fit from a microbenchmark result (timings reduced to ``stat``, see :func:`select_stat`);
     the Calibration plus a report of fit quality."""
@@ -97,20 +116,9 @@ def fit_all(raw: dict[str, Any], topology, spec: dict[str, Any], stat: str = "me
     wake_rows = raw.get("wake") or []
     wake = fit_wake(wake_rows)
     desync = raw.get("desync")
+    pauses = None
     if desync:  # the reference job's calls (hw_validate.desync) replace the loops' figures
-        base = next((r["mean_spread_s"] for r in wake_rows if r["segment_s"] == 0 and r.get("mean_spread_s") is not None), None)
-        dwake, dcv = fit_profile(desync, base)
-        pauses = fit_pause_profile(desync)
-        desync["microbench"] = {"compute_noise_cv": noise_cv, "wake_delay_p": wake[0] if wake else None,
-                                "wake_delay_cap_s": wake[1] if wake else None}  # fmt: skip
-        desync["fit"] = {"compute_noise_cv": dcv, "wake_delay_p": dwake[0] if dwake else None,
-                         "wake_delay_cap_s": dwake[1] if dwake else None,
-                         "pause_rate_per_s": pauses[0] if pauses else None,
-                         "pause_mean_s": pauses[1] if pauses else None}  # fmt: skip
-        wake = dwake if dwake is not None else wake
-        noise_cv = dcv if dcv is not None else noise_cv
-    else:
-        pauses = None
+        wake, noise_cv, pauses = desync_figures(desync, wake_rows, wake, noise_cv)
     hooks = fit_grad_hooks(raw["optimizer"]) if raw["optimizer"] else None
     disp_rows = raw.get("dispatcher") or []
     disp = fit_dispatcher(disp_rows, gemm.get("fp32"), hbm_Bps, launch_s) if disp_rows else None

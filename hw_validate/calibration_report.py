@@ -122,3 +122,29 @@ def format_report(cal: Calibration) -> str:
         lines.append(f"late wake-ups after a blocking call: p {cal.wake_delay_p:.3f}, cap {cal.wake_delay_cap_s * 1e3:.2f} ms"
                      + (f" (mean exit spread by following segment: {each})" if each else ""))  # fmt: skip
     return "\n".join(lines)
+
+
+def format_profile_report(cal: Calibration, report: dict) -> str:
+    """Human summary of ``moesim calibrate --from-profile``: what was read, every field fitted with its
+    fit error and where it came from, and the fields the trace left to the topology."""
+    hw = cal.hardware
+    counts = report.get("counts") or [{}]
+    lines = [f"calibration from {len(report['traces'])} profiler trace(s) of a {hw.get('device')} job "
+             f"({hw.get('world_size')} ranks, {hw.get('backend')}); rank 0's trace: {counts[0].get('cpu_ops', 0)} CPU ops, "
+             f"{counts[0].get('kernels', 0)} kernels, {counts[0].get('gemm_with_shapes', 0)} GEMMs with shapes, "
+             f"{counts[0].get('attention_ops', 0)} attention ops, {counts[0].get('memory_ops', 0)} memory-bound ops; "
+             f"{report.get('calls', 0)} collective calls"]  # fmt: skip
+    for name, f in report["fits"].items():
+        v = f["value"]
+        if isinstance(v, dict):
+            shown = ", ".join(f"{k} {x:.4g}" for k, x in v.items() if isinstance(x, (int, float)) and not k.startswith("fit_")
+                              and k != "points")  # fmt: skip
+        else:
+            shown = f"{v:.4g}"
+        err = f.get("fit_rel_err")
+        how = (f"fit error median {100 * err:.1f}%, max {100 * (f.get('fit_max_rel_err') or err):.1f}% over "
+               f"{f.get('points', '?')} points" if err is not None else "solved for one measured figure (no residual)")  # fmt: skip
+        lines.append(f"  {name:<32} {shown}; {how} ({f['source']})")
+    if report.get("absent"):
+        lines.append("not in the trace (the topology's figures apply): " + ", ".join(report["absent"]))
+    return "\n".join(lines)

@@ -77,11 +77,13 @@ def read_spans(span_dir: str | Path, world: int) -> list[list[dict]]:
     return out
 
 
-def aligned_calls(records: list[list[dict]], warmup: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+def aligned_calls(records: list[list[dict]], warmup: int = 0,
+                  blocking=BLOCKING) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:  # fmt: skip
     """``(entries, exits, last, skipped)``: (world, calls) entry and exit times of the blocking
-    calls of every step after ``warmup`` (the same calls on every rank, in start order), ``last``
-    (calls,) true for a step's last call (no segment after it inside the step), and how many steps
-    were skipped because the ranks' call sequences differ (a step cut short)."""
+    calls (spans named in ``blocking``) of every step after ``warmup`` (the same calls on every rank,
+    in start order), ``last`` (calls,) true for a step's last call (no segment after it inside the
+    step), and how many steps were skipped because the ranks' call sequences differ (a step cut
+    short)."""
     world = len(records)
     by_step = [{rec["step"]: rec["spans"] for rec in recs} for recs in records]
     steps = sorted(set.intersection(*(set(s) for s in by_step)))
@@ -89,7 +91,7 @@ def aligned_calls(records: list[list[dict]], warmup: int = 0) -> tuple[np.ndarra
     for st in steps:
         if st < warmup:
             continue
-        calls = [sorted((s for s in by_step[r][st] if s[0] in BLOCKING), key=lambda s: s[1]) for r in range(world)]
+        calls = [sorted((s for s in by_step[r][st] if s[0] in blocking), key=lambda s: s[1]) for r in range(world)]
         names = [[c[0] for c in cs] for cs in calls]
         if any(n != names[0] for n in names) or not names[0]:
             skipped += 1

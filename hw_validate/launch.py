@@ -29,6 +29,7 @@ import argparse
 import collections
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -44,6 +45,7 @@ from hw_validate.diagnose import cause_of, explain_exit, explain_timeout, read_s
 from hw_validate.jit_ops import BuildError, accelerator_of, cpu_rank_env, needed_ops, prepare
 from sim.api import load_scenario
 from sim.errors import InputError
+from sim.reports import progress
 
 HERE = Path(__file__).resolve().parent
 TRAIN_SCRIPT = HERE / "train_moe.py"
@@ -130,16 +132,29 @@ def build_command(launcher: str, nproc: int, script_args: list[str], master_port
     return [*head, str(WRAPPER), str(TRAIN_SCRIPT), *script_args]
 
 
+#: the job's line per step (hw_validate/train_moe.py), read for the progress bar
+_STEP_LINE = re.compile(r"^step\s+(\d+)/(\d+)\s")
+
+
 def _pump(stream, log_path: Path, echo: bool, keep: collections.deque) -> None:
+    """Copy the job's output to its log and, with ``echo``, to stdout (above the progress bar when
+    one shows); its step lines move the bar (:mod:`sim.reports.progress`)."""
     with stream, open(log_path, "wb") as log:
         for line in iter(stream.readline, b""):
             log.write(line)
             log.flush()
-            keep.append(line.decode("utf-8", "replace").rstrip("\n"))
+            text = line.decode("utf-8", "replace").rstrip("\n")
+            keep.append(text)
+            m = _STEP_LINE.match(text)
+            if m:
+                progress.report(int(m[1]) / int(m[2]), f"step {m[1]}/{m[2]}")
             if echo:
                 try:
-                    sys.stdout.buffer.write(line)
-                    sys.stdout.flush()
+                    if progress.active():
+                        progress.write(text)
+                    else:
+                        sys.stdout.buffer.write(line)
+                        sys.stdout.flush()
                 except (BrokenPipeError, OSError):
                     pass
 

@@ -105,13 +105,15 @@ def predicted_phases(spans: list, world: int) -> dict[str, float]:
     return {k: max(p[k] for p in per) for k in ORDER}
 
 
-def simulation_scenario(scenario: str | Path, overrides: list[str], calibration: str | Path, trace: str | Path,
+def simulation_scenario(scenario: str | Path, overrides: list[str], calibration: str | Path, trace: str | Path | None,
                         dtype: str | None = None):  # fmt: skip
-    """The scenario as simulated: calibrated, routing replayed from ``trace``, the job's dtype."""
+    """The scenario as simulated: calibrated, routing replayed from ``trace`` (None: the scenario's
+    own routing), the job's dtype."""
     from sim.api import load_scenario
 
-    sets = [*overrides, f"calibration={Path(calibration).resolve()}", "routing.generator=trace",
-            f"routing.trace={Path(trace).resolve()}"]  # fmt: skip
+    sets = [*overrides, f"calibration={Path(calibration).resolve()}"]
+    if trace is not None:
+        sets += ["routing.generator=trace", f"routing.trace={Path(trace).resolve()}"]
     s = load_scenario(scenario, sets)
     if dtype is not None and dtype != s.training.dtype:
         s = load_scenario(scenario, [*sets, f"training.dtype={dtype}"])

@@ -10,7 +10,9 @@ Run it with any launcher that sets the torch.distributed environment::
 Flags: ``--set k=v`` (scenario override, repeatable), ``--steps N`` (default ``training.steps``),
 ``--warmup N`` (default ``training.warmup_steps``), ``--out DIR`` (default ``runs/<scenario>``),
 ``--init random|upcycle`` with ``--dense-checkpoint P``, ``--aux-loss-coef`` (default 0.01),
-``--seed`` (default ``routing.seed``), ``--verbose`` (DeepSpeed's INFO logs).
+``--seed`` (default ``routing.seed``), ``--verbose`` (DeepSpeed's INFO logs), ``--profile DIR``
+(``torch.profiler`` around ``--profile-steps`` measured steps, default 3: ``DIR/rank-<r>.json``,
+Chrome/Kineto JSON with input shapes, what ``moesim calibrate --from-profile`` reads).
 
 Rank 0 prints one line per step with the loss; at the end ``DIR/router_trace.json`` and
 ``DIR/measurement.json`` are written atomically (see :mod:`hw_validate.measurement`).
@@ -25,6 +27,7 @@ every step, and ``SIGUSR1`` dumps every rank's Python stacks to its stderr (``fa
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
 import logging
@@ -56,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--aux-loss-coef", type=float, default=0.01)
     ap.add_argument("--seed", type=int, default=None)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="record a PyTorch profiler (Kineto) trace of a few measured steps: DIR/rank-<r>.json")  # fmt: skip
+    ap.add_argument("--profile-steps", type=int, default=3, metavar="N", help="steps the profiler records (default 3)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -107,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
         warmup = args.warmup if args.warmup is not None else scenario.training.warmup_steps
         if steps < 1 or warmup < 0:
             raise InputError("--steps must be >= 1 and --warmup >= 0", field="--steps")
+        if args.profile_steps < 1:
+            raise InputError(f"must be >= 1, got {args.profile_steps}", field="--profile-steps")
     except InputError as exc:
         print(f"train_moe: error: {exc}", file=sys.stderr)
         return 2
@@ -232,6 +240,9 @@ def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps
     phase_rows, losses, aux_losses = [], [], []
     comm_keys = list(COMM_PHASES)
     comm_bytes, comm_calls, async_calls = [], [], 0
+    prof = start_profiler(args.profile, rank, accelerator, steps, warmup, args.profile_steps) if args.profile else None
+    # the timers' regions as record_function ranges in the trace: the windows --from-profile reads
+    region = torch.profiler.record_function if prof is not None else (lambda _name: contextlib.nullcontext())
     for step in range(steps):
         beat.beat(step, "step")
         inject_fault(rank, step)
@@ -244,13 +255,13 @@ def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps
         aux_sum = torch.zeros((), device=device)
         for mb, (x, y) in enumerate(batches):
             recorder.micro_batch = mb
-            with timer.phase("forward", "forward"):
+            with timer.phase("forward", "forward"), region("forward"):
                 logits, aux = engine(x)
                 ce = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1))
                 loss = ce + args.aux_loss_coef * aux
-            with timer.phase("backward", "backward"):
+            with timer.phase("backward", "backward"), region("backward"):
                 engine.backward(loss)
-            with timer.phase("optimizer", "optimizer"):
+            with timer.phase("optimizer", "optimizer"), region("optimizer"):
                 engine.step()
             ce_sum += ce.detach()
             aux_sum += aux.detach()
@@ -268,6 +279,12 @@ def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps
         losses.append(ce_v)
         aux_losses.append(aux_v)
         say(f"step {step + 1:4d}/{steps}  loss {ce_v:.4f}  aux {aux_v:.4f}  time {times['step']:.3f} s", flush=True)
+        if prof is not None:
+            prof.step()
+    if prof is not None:
+        prof.stop()
+        if prof.path.is_file():
+            say(f"profiler trace of {prof.active} steps written to {prof.path}")
     beat.beat(steps, "writing")
     config = {
         "dtype": settings.dtype,
@@ -321,6 +338,42 @@ def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps
     beat.beat(steps, "done")
     dist.destroy_process_group()
     return 0
+
+
+class _Profiler:
+    """``torch.profiler`` around ``active`` steps after the job's warm-up (``--profile DIR``): CPU ops
+    with their input shapes (``record_shapes``), and the device's kernels on GPUs, written as
+    Chrome/Kineto JSON to ``DIR/rank-<r>.json`` -- what ``moesim calibrate --from-profile`` reads.
+    ``step()`` ends a training step (one ``ProfilerStep#N`` range per recorded step)."""
+
+    def __init__(self, out: Path, rank: int, accelerator: str, wait: int, active: int):
+        import torch.profiler as tp
+
+        self.path = out / f"rank-{rank}.json"
+        self.active = active
+        acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if accelerator == "cuda" else [])
+        self.prof = tp.profile(activities=acts, record_shapes=True,
+                               schedule=tp.schedule(wait=wait, warmup=1, active=active, repeat=1),
+                               on_trace_ready=self._write)  # fmt: skip
+        self.prof.start()
+
+    def _write(self, prof) -> None:
+        prof.export_chrome_trace(str(self.path))
+
+    def step(self) -> None:
+        self.prof.step()
+
+    def stop(self) -> None:
+        self.prof.stop()
+
+
+def start_profiler(out: str, rank: int, accelerator: str, steps: int, warmup: int, active: int) -> _Profiler:
+    """The profiler of ``--profile``: the last warm-up step warms it up, then it records up to
+    ``active`` measured steps (all of them when fewer)."""
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    wait = max(0, warmup - 1)
+    return _Profiler(d, rank, accelerator, wait, max(1, min(active, steps - wait - 1)))
 
 
 def _upcycle_check(engine, scenario: Scenario, blob: dict, task, rank: int, device, seed: int) -> dict:

@@ -20,7 +20,7 @@ Result (``moesim validate --json``; ``format: moesim.validation``, version 1; se
      "error":     {"step_time_rel", "phases_rel": {phase: rel | null}, "worst_phase",
                    "worst_phase_abs_s"},
      "phases": [{"phase", "measured_s", "predicted_s", "error_rel", "abs_error_s", "p10_s", "p90_s"}],
-     "calibration": {"file", "quick", "computed": bool}, "reused_measurement": bool,
+     "calibration": {"file", "computed", "cached", "cache_created_unix_s", "refit"}, "reused_measurement": bool,
      "job": {"wall_s", "command", "launcher", "nproc", "run_dir"}}
 
 ``error_rel`` is null where the measured phase is 0 (it did not run, e.g. ``dispatch`` with ep = 1).
@@ -49,6 +49,7 @@ from hw_validate.phases import (
 )
 from sim.errors import InputError
 from sim.ioutil import atomic_write_text, dumps_json
+from sim.reports.progress import part
 
 FORMAT = "moesim.validation"
 VERSION = 1
@@ -102,7 +103,7 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"validate {result['scenario']}: {result['measured']['measured_steps']} measured steps on "
         f"{env.get('world_size')} x {(env.get('devices') or ['?'])[0]} ({env.get('backend')}); "
-        f"calibration {cal['file']}" + (" (quick, computed now)" if cal["computed"] else ""),
+        f"calibration {cal['file']}" + _calibration_note(cal),
         f"{'phase':<15} {'measured ms':>12} {'p10..p90 ms':>17} {'predicted ms':>13} {'error':>8}",
     ]
     for r in result["phases"]:
@@ -117,6 +118,15 @@ def format_table(result: dict[str, Any]) -> str:
     if err["worst_phase"]:
         lines[-1] += f"; worst phase {err['worst_phase']} ({1e3 * err['worst_phase_abs_s']:.2f} ms off)"
     return "\n".join(lines)
+
+
+def _calibration_note(cal: dict[str, Any]) -> str:
+    if cal.get("quick"):  # results written before the cache (issue 29)
+        return " (quick, computed now)"
+    if not cal.get("cached"):
+        return ""
+    made = "made now" if cal["computed"] else "cached"
+    return f" ({made} full calibration of this machine" + (", in-job figures refitted now)" if cal["refit"] else ")")
 
 
 # ---- resumable measurements -----------------------------------------------------------------------
@@ -150,6 +160,41 @@ def reusable(keep: Path, key: dict) -> bool:
     return True
 
 
+# ---- the calibration when none is given -------------------------------------------------------------
+def default_calibration(scenario: str | Path, scen, nproc: int, work: Path, timeout_s: float, echo: bool, log,
+                        recalibrate: bool = False) -> dict[str, Any]:  # fmt: skip
+    """The calibration of a validation given none (:mod:`hw_validate.calibration_cache`): the cached
+    full calibration of this machine (made now the first time, or with ``recalibrate``) and, on
+    >= 2 gloo ranks with DeepSpeed installed, its in-job figures refitted on a reference job run
+    now, written to ``work/calibration.json``. Returns the ``calibration`` section of the result:
+    ``{"file", "computed"`` (the cache was made now)``, "cached"`` (its path)``, "cache_created_unix_s",
+    "refit"}``."""
+    import importlib.util
+
+    from hw_validate.calibrate import refit_reference_job
+    from hw_validate.calibration_cache import cached_calibration
+    from sim.inputs.calibration import load_calibration, save_calibration
+
+    backend = "gloo" if scen.topology.gpu.kind == "cpu" else "nccl"
+    refit = backend == "gloo" and nproc >= 2 and importlib.util.find_spec("deepspeed") is not None
+    with part(0, 2 if refit else 1, "cached"):
+        cached, made = cached_calibration(scenario, nproc, backend, timeout_s, echo, log, recalibrate)
+    cal = load_calibration(cached)
+    info = {"file": str(cached), "computed": made, "cached": str(cached),
+            "cache_created_unix_s": (cal.hardware.get("cache") or {}).get("created_unix_s"), "refit": False}  # fmt: skip
+    if not made:
+        log(f"validate: no --calibration: the cached full calibration of this machine ({cached})")
+    if refit:
+        log("validate: refitting its in-job figures (compute scale, call overhead, stalls, wake-ups) on a reference "
+            "job now, as the machine's load moves them")  # fmt: skip
+        with part(1, 2, "refit"):
+            cal = refit_reference_job(cal, nproc, timeout_s, echo=False)
+        path = work / "calibration.json"
+        save_calibration(path, cal)
+        info.update(file=str(path), refit=True)
+    return info
+
+
 # ---- the whole thing ------------------------------------------------------------------------------
 def validate(
     scenario: str | Path,
@@ -163,9 +208,12 @@ def validate(
     echo: bool = True,
     env: dict[str, str] | None = None,
     log=print,
+    recalibrate: bool = False,
 ) -> dict[str, Any]:
-    """Run, simulate, compare (module docstring). Raises :class:`InputError` on bad input and
-    :class:`hw_validate.launch.JobError` when the job (or the calibration job) fails or hangs."""
+    """Run, simulate, compare (module docstring). Without ``calibration``, the cached calibration of
+    this machine with its in-job figures refitted now (:func:`default_calibration`; ``recalibrate``
+    remakes the cached one). Raises :class:`InputError` on bad input and
+    :class:`hw_validate.launch.JobError` when the job (or a calibration job) fails or hangs."""
     from hw_validate.launch import LAUNCHERS, run_job
     from hw_validate.measurement import load_measurement
     from sim.api import load_scenario
@@ -192,29 +240,27 @@ def validate(
         work.mkdir(parents=True, exist_ok=True)
     try:
         return _validate(scenario, scen, calibration, steps, warmup, nproc, launcher, timeout_s, work,
-                         keep is not None, overrides, echo, env, log, run_job, load_measurement)  # fmt: skip
+                         keep is not None, overrides, echo, env, log, run_job, load_measurement, recalibrate)  # fmt: skip
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
 
 
 def _validate(scenario, scen, calibration, steps, warmup, nproc, launcher, timeout_s, work: Path, kept: bool,
-              overrides, echo, env, log, run_job, load_measurement) -> dict[str, Any]:  # fmt: skip
+              overrides, echo, env, log, run_job, load_measurement, recalibrate) -> dict[str, Any]:  # fmt: skip
     from hw_validate.launch import MEASUREMENT_FILE, TRACE_FILE
 
-    computed = False
-    if calibration is None:
-        from hw_validate.calibrate import calibrate
-
-        cal_path = work / "calibration.json"
-        backend = "gloo" if scen.topology.gpu.kind == "cpu" else "nccl"
-        log(f"validate: no --calibration: running a quick calibration ({backend}, {nproc or scen.world_size} "
-            f"ranks) first -> {cal_path if kept else 'a temporary file'}")  # fmt: skip
-        calibrate(cal_path, nproc=nproc or scen.world_size, backend=backend, topology=scen.topology,
-                  scenarios=[scenario], quick=True, timeout_s=timeout_s, echo=echo)  # fmt: skip
-        calibration, computed = cal_path, True
     key = job_key(scenario, overrides, steps, nproc, launcher)
     reused = kept and reusable(work, key)
+    stages = (["calibration"] if calibration is None else []) + ([] if reused else ["real job"]) + ["simulate"]
+    cal_info: dict[str, Any] = {"file": str(calibration), "computed": False, "cached": None, "refit": False}
+    if calibration is None:
+        with part(stages.index("calibration"), len(stages), "calibration"):
+            cal_info = default_calibration(scenario, scen, nproc or scen.world_size, work, timeout_s, echo, log,
+                                           recalibrate)  # fmt: skip
+        calibration = Path(cal_info["file"])
+        if not kept and cal_info["refit"]:
+            cal_info["file"] = "(temporary: the cached calibration with the in-job figures refitted)"
     job: dict[str, Any]
     if reused:
         log(f"validate: reusing the finished measurement in {work} (same scenario, {steps} steps)")
@@ -222,13 +268,15 @@ def _validate(scenario, scen, calibration, steps, warmup, nproc, launcher, timeo
     else:
         (work / KEY_FILE).unlink(missing_ok=True)
         extra = ["--warmup", str(warmup)]
-        res = run_job(scenario, nproc, work, steps, overrides, timeout_s, launcher, extra, env=env, echo=echo)
+        with part(stages.index("real job"), len(stages), "real job"):
+            res = run_job(scenario, nproc, work, steps, overrides, timeout_s, launcher, extra, env=env, echo=echo)
         atomic_write_text(work / KEY_FILE, dumps_json(key))
         job = {"wall_s": res.wall_s, "command": res.command}
     meas_path, trace_path = work / MEASUREMENT_FILE, work / TRACE_FILE
     meas = load_measurement(meas_path)
     measured = measured_section(meas, meas_path)
-    predicted = predict(scenario, overrides, calibration, trace_path, measured["dtype"])
+    with part(len(stages) - 1, len(stages), "simulate"):
+        predicted = predict(scenario, overrides, calibration, trace_path, measured["dtype"])
     error, rows = compare(measured, predicted)
     result = {
         "format": FORMAT,
@@ -242,8 +290,7 @@ def _validate(scenario, scen, calibration, steps, warmup, nproc, launcher, timeo
         "predicted": predicted,
         "error": error,
         "phases": rows,
-        "calibration": {"file": str(calibration) if (kept or not computed) else "(temporary quick calibration)",
-                        "quick": computed, "computed": computed},  # fmt: skip
+        "calibration": cal_info,
         "reused_measurement": reused,
         "job": {**job, "launcher": launcher, "nproc": nproc or scen.world_size,
                 "run_dir": str(work) if kept else None},  # fmt: skip

@@ -102,3 +102,9 @@ def fit_call_overhead(calibration, profile: dict) -> dict | None:
     us = max(0.0, OVERHEAD_PROBE_US[1] * (m_b - b0) / (b1 - b0))
     return {"call_overhead_us": float(us), "measured_blocking_s": float(m_b), "predicted_blocking_s": float(b0),
             "predicted_per_ms_s": float(b1 - b0)}  # fmt: skip
+
+
+def optimizer_compute(phases: dict[str, float]) -> float:
+    """Seconds of a step's optimizer phase outside its collectives."""
+    return phases.get("optimizer", 0.0) - phases.get("optimizer_comm", 0.0)
+

@@ -22,6 +22,7 @@ from hw_validate.diagnose import cause_of
 from hw_validate.jit_ops import accelerator_of, cpu_rank_env, needed_ops
 from hw_validate.launch import JobError, free_port, launcher_head, prepare_ops, remove_shm_buffers, stop_group
 from sim.errors import InputError
+from sim.reports import progress
 
 ROOT = Path(__file__).resolve().parents[2]
 #: the script every rank runs (as a script: torchrun and the deepspeed launcher take a path)
@@ -43,8 +44,15 @@ class _ByteTail(deque):
             self.size -= len(self.popleft())
 
 
+#: the job's own tqdm bar (hw_validate/microbench.py): "microbenchmarks:  45%|...| 20/44 [...]"
+_BAR = re.compile(r"microbenchmarks:.*?(\d+)/(\d+)")
+
+
 def _pump(stream, log_path: Path, echo: bool, tail: deque) -> None:
-    """Copy the job's output to its log (and to our stderr), in raw chunks so tqdm's bar redraws."""
+    """Copy the job's output to its log (and to our stderr), in raw chunks so tqdm's bar redraws.
+    While moesim's own progress bar shows (:mod:`sim.reports.progress`), the job's bar moves it
+    instead and the job's other lines are printed above it."""
+    pending = ""
     with stream, open(log_path, "wb") as log:
         while True:
             chunk = os.read(stream.fileno(), 65536)
@@ -53,7 +61,16 @@ def _pump(stream, log_path: Path, echo: bool, tail: deque) -> None:
             log.write(chunk)
             log.flush()
             tail.append(chunk)
-            if echo:
+            if progress.active():
+                pieces = re.split(r"[\r\n]", pending + chunk.decode("utf-8", "replace"))
+                pending = pieces.pop()
+                for piece in pieces:
+                    m = _BAR.search(piece)
+                    if m:
+                        progress.report(int(m[1]) / max(1, int(m[2])), f"{m[1]}/{m[2]} items")
+                    elif echo and piece.strip():
+                        progress.write(piece, sys.stderr)
+            elif echo:
                 with contextlib.suppress(BrokenPipeError, OSError):
                     sys.stderr.buffer.write(chunk)
                     sys.stderr.flush()

@@ -17,6 +17,7 @@ import sys
 
 from sim.cli.common import add_json_argument
 from sim.errors import InputError
+from sim.reports.progress import reporting, write
 
 BACKENDS = ("gloo", "nccl")
 LAUNCHERS = ("torchrun", "deepspeed")
@@ -33,7 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.epilog = (
         "example: moesim calibrate --nproc 2 --scenario scenarios/cpu-2rank.yaml --out calib.json; "
-        "then set 'calibration: calib.json' in the scenario. Exit status: 0 ok, 2 bad input, 1 the "
+        "then set 'calibration: calib.json' in the scenario. From your own job's trace: moesim calibrate "
+        "--from-profile traces/ --scenario my.yaml --out calib.json. Exit status: 0 ok, 2 bad input, 1 the "
         "job failed or timed out."
     )
     parser.add_argument("--out", required=True, metavar="CALIB.json", help="calibration file to write (atomically)")
@@ -65,6 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-desync-job", action="store_true",
                         help="skip the desync job: take late wake-ups and compute noise from the microbenchmark loops")  # fmt: skip
     parser.add_argument("--no-progress", action="store_true", help="no progress on stderr")
+    prof = parser.add_argument_group("from a profiler trace of your own job (no microbenchmarks run)")
+    prof.add_argument("--from-profile", action="append", default=[], metavar="TRACE.json",
+                      help="a PyTorch profiler (Kineto) trace of a training job, recorded with record_shapes=True: "
+                      "one rank's file, every rank's (repeat the flag), or a folder of them; fits the calibration "
+                      "fields the trace informs, each with its fit error (docs/validation.md)")  # fmt: skip
+    prof.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                      help="with --from-profile --scenario: override a field of the scenario the trace is of")  # fmt: skip
+    prof.add_argument("--router-trace", metavar="R",
+                      help="with --from-profile --scenario: the job's routing decisions (router_trace.json of "
+                      "an hw_validate job), replayed when the in-job factors are fitted")  # fmt: skip
     add_json_argument(parser)
 
 
@@ -80,6 +92,11 @@ class _Missing(RuntimeError):
 def run(args: argparse.Namespace) -> int:
     from sim.ioutil import write_json
 
+    if args.from_profile:
+        return _from_profile(args)
+    for flag, given in (("--set", args.overrides), ("--router-trace", args.router_trace)):
+        if given:
+            raise InputError("only with --from-profile", field=flag)
     if args.nproc < 1:
         raise InputError(f"must be >= 1, got {args.nproc}", field="--nproc")
     try:
@@ -98,15 +115,16 @@ def run(args: argparse.Namespace) -> int:
 
     def say(line: str) -> None:
         if not args.no_progress:
-            print(f"[calibrate] {line}", file=sys.stderr, flush=True)
+            write(f"[calibrate] {line}", sys.stderr)  # above the progress bar when one shows
 
     try:
-        res = calibrate(
-            args.out, nproc=args.nproc, backend=args.backend, launcher=args.launcher, topology=args.topology,
-            scenarios=args.scenario, quick=args.quick, timeout_s=args.timeout, echo=not args.no_progress,
-            stat=args.stat, progress=say,
-            desync=None if args.no_desync_job else (args.desync_scenario or "auto"),
-        )  # fmt: skip
+        with reporting("calibrate", enabled=not args.no_progress):
+            res = calibrate(
+                args.out, nproc=args.nproc, backend=args.backend, launcher=args.launcher, topology=args.topology,
+                scenarios=args.scenario, quick=args.quick, timeout_s=args.timeout, echo=not args.no_progress,
+                stat=args.stat, progress=say,
+                desync=None if args.no_desync_job else (args.desync_scenario or "auto"),
+            )  # fmt: skip
     except JobError as exc:
         print(f"moesim: error: {exc}", file=sys.stderr)
         return 1
@@ -115,5 +133,50 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, {**doc, "out": str(args.out), "report": res.report})
     if args.json != "-":
         print(format_report(res.calibration))
+        print(f"calibration written to {args.out}")
+    return 0
+
+
+def _from_profile(args: argparse.Namespace) -> int:
+    """``--from-profile``: read the traces, fit, write (:mod:`hw_validate.fits.from_profile`)."""
+    from pathlib import Path
+
+    from sim.ioutil import write_json
+
+    if len(args.scenario) > 1:
+        raise InputError("with --from-profile, give the one scenario the trace is of", field="--scenario")
+    scenario = args.scenario[0] if args.scenario else None
+    if scenario is not None and not Path(scenario).is_file():
+        raise InputError("scenario file not found", file=scenario, field="--scenario")
+    if scenario is None and (args.overrides or args.router_trace):
+        raise InputError("--set and --router-trace describe the scenario: add --scenario", field="--scenario")
+    if args.router_trace and not Path(args.router_trace).is_file():
+        raise InputError("router trace not found", file=args.router_trace, field="--router-trace")
+    from hw_validate.calibrate import check_writable
+    from hw_validate.calibration_report import format_profile_report
+    from hw_validate.fits.from_profile import fit_traces
+    from hw_validate.profile_trace import read_traces
+    from sim.inputs.calibration import save_calibration
+
+    check_writable(args.out)
+    if args.json and args.json != "-":
+        check_writable(args.json, "--json")
+
+    def say(line: str) -> None:
+        if not args.no_progress:
+            write(f"[calibrate] {line}", sys.stderr)
+
+    with reporting("calibrate", enabled=not args.no_progress):
+        say(f"reading {len(args.from_profile)} trace path(s)")
+        traces = read_traces(args.from_profile)
+        cal, report = fit_traces(traces, scenario, args.overrides, args.topology, args.router_trace, progress=say)
+    try:
+        save_calibration(args.out, cal)
+    except OSError as exc:
+        raise InputError(f"cannot write '{args.out}': {exc.strerror or exc}", field="--out") from None
+    if args.json:
+        write_json(args.json, {**cal.model_dump(mode="json"), "out": str(args.out), "report": report})
+    if args.json != "-":
+        print(format_profile_report(cal, report))
         print(f"calibration written to {args.out}")
     return 0

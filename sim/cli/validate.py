@@ -13,11 +13,17 @@ from pathlib import Path
 from sim.cli.common import add_json_argument, add_scenario_arguments
 from sim.errors import InputError
 from sim.ioutil import write_json
+from sim.reports.progress import reporting, write
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_scenario_arguments(parser)
-    parser.add_argument("--calibration", metavar="C", help="calibration JSON (default: run a quick `moesim calibrate` first)")
+    parser.add_argument("--calibration", metavar="C",
+                        help="calibration JSON (default: the cached full calibration of this machine, made "
+                        "the first time (~2 min on 2 CPU cores), its in-job figures refitted on a reference "
+                        "job now on CPU ranks)")  # fmt: skip
+    parser.add_argument("--recalibrate", action="store_true",
+                        help="without --calibration: remake the cached calibration of this machine first")  # fmt: skip
     parser.add_argument("--steps", type=int, default=None, help="training steps of the real job (default: training.steps)")
     parser.add_argument("--nproc", type=int, default=None, help="ranks (default: the scenario's world size)")
     parser.add_argument("--launcher", choices=("deepspeed", "torchrun"), default="deepspeed")
@@ -40,14 +46,19 @@ def run(args: argparse.Namespace) -> int:
 
     to_stdout = args.json == "-"
 
+    if args.recalibrate and args.calibration is not None:
+        raise InputError("--recalibrate remakes the cached calibration used without --calibration; drop one",
+                         field="--recalibrate")  # fmt: skip
+
     def log(msg: str) -> None:
-        print(msg, file=sys.stderr if to_stdout else sys.stdout, flush=True)
+        write(msg, sys.stderr if to_stdout else sys.stdout)  # above the progress bar when one shows
 
     try:
-        result = validate(
-            args.scenario, args.calibration, args.steps, args.nproc, args.launcher, args.timeout, args.keep,
-            args.overrides, echo=not (args.quiet or to_stdout), log=log,
-        )  # fmt: skip
+        with reporting("validate"):  # a bar on a terminal: calibration, the real job's steps, simulation
+            result = validate(
+                args.scenario, args.calibration, args.steps, args.nproc, args.launcher, args.timeout, args.keep,
+                args.overrides, echo=not (args.quiet or to_stdout), log=log, recalibrate=args.recalibrate,
+            )  # fmt: skip
     except JobError as exc:
         text = str(exc)
         head, _, tail = text.partition("\n")

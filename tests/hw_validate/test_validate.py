@@ -114,16 +114,39 @@ def test_real_validate_with_calibration_and_reuse(tmp_path, calib):
 
 @pytest.mark.deepspeed
 @pytest.mark.slow
-def test_without_calibration_it_calibrates_first(tmp_path):
+def test_without_calibration_it_uses_the_cached_one_refitted(tmp_path):
+    """No --calibration: the cached full calibration of this machine (seeded here with the committed
+    record's, keyed by this machine's facts) with its in-job figures refitted on a reference job."""
     pytest.importorskip("deepspeed")
+    from hw_validate.calibration_cache import cache_key, cached_path, machine_facts
+    from sim.inputs.calibration import load_calibration
+
+    env = {"MOESIM_CACHE_DIR": str(tmp_path / "cache")}
+    os.environ.update(env)
+    try:
+        facts = machine_facts("gloo", 2)
+        seeded = load_calibration(ROOT / "benchmarks" / "accuracy" / "cpu-2rank-gloo.calibration.json")
+        seeded.hardware["cache"] = {"facts": facts, "key": cache_key(facts), "created_unix_s": 0.0}
+        cached = cached_path(facts)
+        cached.parent.mkdir(parents=True)
+        save_calibration(cached, seeded)
+    finally:
+        for k in env:
+            os.environ.pop(k)
     keep = tmp_path / "keep"
-    p = _cli(str(CPU2), "--steps", "2", "--keep", str(keep), "--quiet", "--launcher", "torchrun")
+    p = _cli(str(CPU2), "--steps", "2", "--keep", str(keep), "--quiet", "--launcher", "torchrun", env_extra=env)
     assert p.returncode == 0, p.stderr
-    assert "running a quick calibration" in p.stdout
+    assert f"the cached full calibration of this machine ({cached})" in p.stdout and "refitting" in p.stdout
     r = json.loads((keep / "validation.json").read_text())
-    assert r["calibration"]["computed"] and r["calibration"]["file"] == str(keep / "calibration.json")
-    cal = json.loads((keep / "calibration.json").read_text())
-    assert cal["format"] == "moesim.calibration" and cal["links"]["intra"]["bw_GBps"] > 0
+    cal_info = r["calibration"]
+    assert cal_info["cached"] == str(cached) and cal_info["refit"] and not cal_info["computed"]
+    assert cal_info["file"] == str(keep / "calibration.json")
+    used = load_calibration(keep / "calibration.json")
+    # the microbenchmark fits are the cached ones; the in-job figures come from the reference job run now
+    assert used.gemm == seeded.gemm and used.links == seeded.links
+    assert used.sweeps["refit"]["job_wall_s"] > 0 and used.sweeps["desync"]["calls"] > 0
+    assert used.compute_scale != seeded.compute_scale
+    assert "cached full calibration of this machine, in-job figures refitted now" in p.stdout
     assert math.isfinite(r["error"]["step_time_rel"])
 
 
