@@ -5,8 +5,8 @@ vpp`` virtual stages; virtual stage ``v = chunk x pp + rank`` holds consecutive 
 ``v``. Without uneven settings every virtual stage holds ``L / (pp vpp)`` layers (an error unless it
 divides). ``embedding_as_layer`` / ``loss_as_layer`` count the embedding and the LM head + loss as a
 layer each in that split (``account_for_*_in_pipeline_split``); ``first_stage_layers`` /
-``last_stage_layers`` fix the layers of pipeline rank 0 and pp-1 (split over their vpp chunks) and
-spread the rest evenly over the middle ranks. The embedding is on virtual stage 0, the LM head,
+``last_stage_layers`` fix the layers of pipeline rank 0 and pp-1 (split over their vpp chunks, the
+first chunks taking one more where they do not divide) and spread the rest evenly over the middle ranks. The embedding is on virtual stage 0, the LM head,
 loss and MTP modules on the last. DualPipe (``pp_schedule: dualpipe``) splits the model into pp
 stages and keeps two copies of the parameters: rank r holds stage r (chunk 0, for micro-batches
 entering at rank 0) and stage pp - 1 - r (chunk 1, for those entering at rank pp - 1).
@@ -93,11 +93,9 @@ def stage_layers(s) -> list[VirtualStage]:
             else:
                 per_rank[r] = _even(rest, middle_ranks, "model.num_layers", f"{rest} middle layers")
         counts = [0] * n_virtual
-        for r, n in enumerate(per_rank):
-            field_name = "parallelism.first_stage_layers" if r == 0 else "parallelism.last_stage_layers"
-            per_chunk = _even(n, vpp, field_name if r in (0, p.pp - 1) else "model.num_layers", f"stage {r}'s {n} layers")
+        for r, n in enumerate(per_rank):  # a rank's layers over its chunks, the first chunks one more
             for c in range(vpp):
-                counts[c * p.pp + r] = per_chunk
+                counts[c * p.pp + r] = n // vpp + (c < n % vpp)
     out, at = [], 0
     for v, n in enumerate(counts):
         rank, chunk = owner(v)
