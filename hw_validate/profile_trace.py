@@ -375,11 +375,12 @@ _DT_NAMES = {"Float": "fp32", "BFloat16": "bf16", "Half": "fp16"}
 
 
 def _gaps(ops: list[dict], kernels: list[dict]) -> list[float]:
-    """Short idle gaps between consecutive ops: kernels on each stream on a GPU, top-level ops of
-    the busiest thread on CPU ranks (gaps over :data:`SHORT_GAP_S` are idle, not overhead)."""
+    """Short idle gaps between consecutive ops: compute kernels on each stream on a GPU (not NCCL's),
+    top-level ops of the busiest thread on CPU ranks (gaps over :data:`SHORT_GAP_S` are idle, not
+    overhead)."""
     if kernels:
         lanes: dict[Any, list[dict]] = {}
-        for k in kernels:
+        for k in (k for k in kernels if not _nccl_kind(k["name"])):  # compute streams only
             lanes.setdefault(((k.get("args") or {}).get("device"), (k.get("args") or {}).get("stream")), []).append(k)
     else:
         main = max({e["tid"] for e in ops}, key=lambda t: sum(1 for e in ops if e["tid"] == t))

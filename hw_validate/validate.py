@@ -21,6 +21,7 @@ Result (``moesim validate --json``; ``format: moesim.validation``, version 1; se
                    "worst_phase_abs_s"},
      "phases": [{"phase", "measured_s", "predicted_s", "error_rel", "abs_error_s", "p10_s", "p90_s"}],
      "calibration": {"file", "computed", "cached", "cache_created_unix_s", "refit"}, "reused_measurement": bool,
+     "profile": the job's profiler traces (``--profile``) or null,
      "job": {"wall_s", "command", "launcher", "nproc", "run_dir"}}
 
 ``error_rel`` is null where the measured phase is 0 (it did not run, e.g. ``dispatch`` with ep = 1).
@@ -55,6 +56,8 @@ FORMAT = "moesim.validation"
 VERSION = 1
 KEY_FILE = "validate-key.json"
 RESULT_FILE = "validation.json"
+#: with ``profile``: the job's profiler traces, under the kept folder (``calibrate --from-profile`` reads them)
+PROFILE_DIR = "profile"
 
 
 def predict(scenario: str | Path, overrides: list[str], calibration: str | Path, trace: str | Path,
@@ -130,17 +133,22 @@ def _calibration_note(cal: dict[str, Any]) -> str:
 
 
 # ---- resumable measurements -----------------------------------------------------------------------
-def job_key(scenario: str | Path, overrides: list[str], steps: int, nproc: int | None, launcher: str) -> dict:
+def job_key(scenario: str | Path, overrides: list[str], steps: int, nproc: int | None, launcher: str,
+            profile: bool = False) -> dict:  # fmt: skip
     """What makes two measurements interchangeable: the scenario as loaded (less its calibration and
-    routing source, which only the simulator reads), the overrides, steps, ranks and launcher."""
+    routing source, which only the simulator reads), the overrides, steps, ranks and launcher, and
+    whether the profiler ran (its steps are slower)."""
     from sim.api import load_scenario
 
     s = load_scenario(scenario, overrides)
     dump = s.model_dump(mode="json")
     dump.pop("calibration", None)
     text = json.dumps(dump, sort_keys=True, default=str)
-    return {"scenario_sha256": hashlib.sha256(text.encode()).hexdigest(), "steps": steps,
-            "nproc": nproc if nproc is not None else s.world_size, "launcher": launcher}  # fmt: skip
+    key = {"scenario_sha256": hashlib.sha256(text.encode()).hexdigest(), "steps": steps,
+           "nproc": nproc if nproc is not None else s.world_size, "launcher": launcher}  # fmt: skip
+    if profile:
+        key["profile"] = True
+    return key
 
 
 def reusable(keep: Path, key: dict) -> bool:
@@ -209,10 +217,12 @@ def validate(
     env: dict[str, str] | None = None,
     log=print,
     recalibrate: bool = False,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """Run, simulate, compare (module docstring). Without ``calibration``, the cached calibration of
     this machine with its in-job figures refitted now (:func:`default_calibration`; ``recalibrate``
-    remakes the cached one). Raises :class:`InputError` on bad input and
+    remakes the cached one). ``profile``: the job records profiler traces into ``keep/profile``
+    (:data:`PROFILE_DIR`; needs ``keep``). Raises :class:`InputError` on bad input and
     :class:`hw_validate.launch.JobError` when the job (or a calibration job) fails or hangs."""
     from hw_validate.launch import LAUNCHERS, run_job
     from hw_validate.measurement import load_measurement
@@ -229,6 +239,8 @@ def validate(
         raise InputError(f"must be > 0, got {timeout_s:g}", field="--timeout")
     if calibration is not None:
         load_calibration(calibration)  # missing or malformed: exit 2 before the job runs
+    if profile and keep is None:
+        raise InputError("the profiler traces are kept in the --keep folder: add --keep DIR", field="--profile")
     steps = scen.training.steps if steps is None else steps
     warmup = min(scen.training.warmup_steps, steps - 1)
     temp = None
@@ -240,17 +252,18 @@ def validate(
         work.mkdir(parents=True, exist_ok=True)
     try:
         return _validate(scenario, scen, calibration, steps, warmup, nproc, launcher, timeout_s, work,
-                         keep is not None, overrides, echo, env, log, run_job, load_measurement, recalibrate)  # fmt: skip
+                         keep is not None, overrides, echo, env, log, run_job, load_measurement, recalibrate,
+                         profile)  # fmt: skip
     finally:
         if temp is not None:
             shutil.rmtree(temp, ignore_errors=True)
 
 
 def _validate(scenario, scen, calibration, steps, warmup, nproc, launcher, timeout_s, work: Path, kept: bool,
-              overrides, echo, env, log, run_job, load_measurement, recalibrate) -> dict[str, Any]:  # fmt: skip
+              overrides, echo, env, log, run_job, load_measurement, recalibrate, profile) -> dict[str, Any]:  # fmt: skip
     from hw_validate.launch import MEASUREMENT_FILE, TRACE_FILE
 
-    key = job_key(scenario, overrides, steps, nproc, launcher)
+    key = job_key(scenario, overrides, steps, nproc, launcher, profile)
     reused = kept and reusable(work, key)
     stages = (["calibration"] if calibration is None else []) + ([] if reused else ["real job"]) + ["simulate"]
     cal_info: dict[str, Any] = {"file": str(calibration), "computed": False, "cached": None, "refit": False}
@@ -267,7 +280,7 @@ def _validate(scenario, scen, calibration, steps, warmup, nproc, launcher, timeo
         job = {"wall_s": None, "command": None}
     else:
         (work / KEY_FILE).unlink(missing_ok=True)
-        extra = ["--warmup", str(warmup)]
+        extra = ["--warmup", str(warmup)] + (["--profile", str((work / PROFILE_DIR).resolve())] if profile else [])
         with part(stages.index("real job"), len(stages), "real job"):
             res = run_job(scenario, nproc, work, steps, overrides, timeout_s, launcher, extra, env=env, echo=echo)
         atomic_write_text(work / KEY_FILE, dumps_json(key))
@@ -292,6 +305,7 @@ def _validate(scenario, scen, calibration, steps, warmup, nproc, launcher, timeo
         "phases": rows,
         "calibration": cal_info,
         "reused_measurement": reused,
+        "profile": str(work / PROFILE_DIR) if profile else None,
         "job": {**job, "launcher": launcher, "nproc": nproc or scen.world_size,
                 "run_dir": str(work) if kept else None},  # fmt: skip
         "created_unix_s": time.time(),

@@ -30,6 +30,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, default=900.0, metavar="S", help="seconds before the job counts as hung (default 900)")
     parser.add_argument("--keep", metavar="DIR", help="keep measurement, trace, logs and validation.json in DIR; "
                         "a finished measurement of the same scenario and steps there is reused")  # fmt: skip
+    parser.add_argument("--profile", action="store_true",
+                        help="with --keep DIR: the job records PyTorch profiler traces of 3 measured steps into "
+                        "DIR/profile (what `moesim calibrate --from-profile` reads)")  # fmt: skip
     parser.add_argument("--quiet", action="store_true", help="do not echo the job's output")
     add_json_argument(parser)
 
@@ -58,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             result = validate(
                 args.scenario, args.calibration, args.steps, args.nproc, args.launcher, args.timeout, args.keep,
                 args.overrides, echo=not (args.quiet or to_stdout), log=log, recalibrate=args.recalibrate,
+                profile=args.profile,
             )  # fmt: skip
     except JobError as exc:
         text = str(exc)
