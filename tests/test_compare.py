@@ -156,7 +156,7 @@ def test_bad_input_exits_2(args, needle, capsys):
 
 
 def test_deepseek_v3_scenario_layout():
-    s = load_scenario(SCENARIOS / "deepseek-v3-h800.yaml")
+    s = load_scenario(SCENARIOS / "deepseek-v3-h800-ep-group.yaml")
     assert (s.cluster.nodes, s.gpus_per_node, s.ep, s.world_size) == (8, 8, 64, 64)
     m, r = s.model, s.routing
     assert (m.num_experts, m.num_shared_experts, m.top_k, m.score_function) == (256, 1, 8, "sigmoid")
@@ -170,7 +170,7 @@ def test_deepseek_v3_scenario_layout():
 
 def test_deepseek_v3_node_limit_caps_nodes_per_token():
     small = ["model.num_layers=1", "training.grad_accum_steps=1", "training.seq_len=512"]
-    doc = run_compare(str(SCENARIOS / "deepseek-v3-h800.yaml"), small,
+    doc = run_compare(str(SCENARIOS / "deepseek-v3-h800-ep-group.yaml"), small,
                       ["node_limited:M=8", "topk", "node_limited:M=2"], [], engine="analytic")  # fmt: skip
     m8, topk, m2 = doc["policies"]
     assert m8["step_time_s"] == topk["step_time_s"] and m8["inter_node_bytes"] == topk["inter_node_bytes"]

@@ -64,7 +64,7 @@ def _stage_params(s: Scenario, rank: int) -> tuple[int, int, list[int]]:
         if vs.embedding:
             ne += (counts.embedding - output) // p.tp
         if vs.head:
-            ne += output // p.tp + final_norm + counts.mtp
+            ne += output // p.tp + final_norm + counts.mtp - counts.mtp_expert
             ex += ceil_div(counts.mtp_expert, s.ep * p.etp)
     return ne, ex, layers
 

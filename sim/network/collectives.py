@@ -94,26 +94,22 @@ def all_to_all_dag(
         # relay: the member of node n with the sender's local index, else one by position
         hit = local[m][None, :] == local[senders][:, None]
         relay_pos = np.where(hit.any(axis=1), m[np.argmax(hit, axis=1)], m[local[senders] % len(m)])
-        fan = [
-            (s, r, np.flatnonzero((pair[s, m] > 0) & (m != r)))
-            for s, r in zip(senders, relay_pos, strict=True)
-        ]
-        fan_src = np.concatenate([np.full(len(t), s) for s, _, t in fan])
-        fan_relay = np.concatenate([np.full(len(t), r) for _, r, t in fan])
-        fan_dst = np.concatenate([m[t] for _, _, t in fan])
+        # per sender, the node's members it has tokens for (but its relay), in member order
+        fan_mask = (pair[np.ix_(senders, m)] > 0) & (m[None, :] != relay_pos[:, None])
+        si, ti = np.nonzero(fan_mask)
+        fan_src, fan_relay, fan_dst = senders[si], relay_pos[si], m[ti]
+        fan_counts = fan_mask.sum(axis=1)
         if direction == "dispatch":
             b.phase = 0
             hop = b.add(ranks[senders], ranks[relay_pos], node_bytes[senders, n])
-            which = np.repeat(np.arange(len(senders)), [len(t) for _, _, t in fan])
+            which = si
             b.phase = 1
             b.add(ranks[fan_relay], ranks[fan_dst], pair[fan_src, fan_dst], np.ones(len(fan_dst)), hop[which])
         else:
             b.phase = 0
             gather = b.add(ranks[fan_dst], ranks[fan_relay], pair[fan_src, fan_dst])
             b.phase = 1
-            b.add(
-                ranks[relay_pos], ranks[senders], node_bytes[senders, n], [len(t) for _, _, t in fan], gather
-            )
+            b.add(ranks[relay_pos], ranks[senders], node_bytes[senders, n], fan_counts, gather)
     b.steps = 2
     return b.build()
 

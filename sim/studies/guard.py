@@ -108,7 +108,7 @@ def shape_of(s) -> Shape:
     from sim.model.params import count_params
 
     m, t, r = s.model, s.training, s.routing
-    bpe = {"bf16": 2, "fp16": 2, "fp32": 4}[t.dtype]
+    bpe = {"bf16": 2, "fp16": 2, "fp32": 4}.get(t.dtype, 2)  # FP8 recipes keep bf16 gradients
     bucket = s.collectives.reduce_bucket_elements * bpe
     counts = count_params(m)
     buckets = math.ceil(counts.non_expert * bpe / bucket) + math.ceil(counts.expert / s.ep * bpe / bucket)
