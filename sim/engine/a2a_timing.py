@@ -57,6 +57,7 @@ class A2ATiming:
         self.elem_bytes = {"dispatch": self.elem, "combine": self.elem}
         self._links: dict[int, np.ndarray] | None = None
         self._bound: dict[tuple, tuple] = {}
+        self._flows: dict[tuple, tuple] = {}
 
     def _rank_links(self) -> np.ndarray:
         """(4, world): per rank the bottleneck bandwidth and latency of its path to a peer in its node
@@ -89,8 +90,7 @@ class A2ATiming:
         if plan.padded is not None:
             chunk = plan.padded[moe, micro][rho[:, 0] // ep].astype(np.float64) * epr
             return np.broadcast_to(chunk[:, None, None], (len(rho), ep, ep)) * self.elem
-        kept = plan.kept[moe, micro][rho.reshape(-1)]  # (groups*ep, E)
-        copies = kept.reshape(len(rho), ep, ep, epr).sum(axis=3, dtype=np.int64)
+        copies = plan.pair_copies(moe, micro, rho.reshape(-1)).reshape(len(rho), ep, ep)
         return copies.astype(np.float64) * self.elem
 
     def _rank_pairs(self, moe: int, micro: int, rho: np.ndarray) -> np.ndarray:
@@ -156,10 +156,56 @@ class A2ATiming:
         if node_bytes is None:
             done = self.comm.direct_a2a((("lane", r, group[0]),), [group], [pair], direction)
             return np.array([done[x] for x in group])
+        if self.algo in DEDUP:
+            return self._forwarded(group, pair, node_bytes, direction)
         dag = all_to_all_dag(self.cluster, group, pair, "hierarchical", node_bytes, direction)
-        fin = self.comm.ps_rank_finish(dag, pipelined=self.algo in DEDUP)
+        fin = self.comm.ps_rank_finish(dag)
         out = fin[np.asarray(group)]
         return np.where(np.isnan(out), 0.0, out)
+
+    def _forwarded(self, group: list[int], pair: np.ndarray, node_bytes: np.ndarray, direction: str) -> np.ndarray:
+        """DeepEP / HybridEP normal kernels: the hierarchical DAG's transfers all in flight at once
+        (RDMA chunks forwarded over NVLink as they arrive), on a flow structure cached per group:
+        same-node pairs, one RDMA hop per (sender, node) to the member with the sender's local index,
+        then NVLink from that relay to the node's other destinations. The same transfers, bytes and
+        paths as :func:`sim.network.collectives.all_to_all_dag`, timed as one processor-sharing phase."""
+        key = ("fwd", tuple(group))
+        hit = self._flows.get(key)
+        if hit is None:
+            hit = self._flows[key] = self._flow_structure(group)
+        same_i, same_j, hop_s, hop_n, hop_r, fan_s, fan_d, fan_r = hit
+        nb = np.concatenate([pair[same_i, same_j], node_bytes[hop_s, hop_n], pair[fan_s, fan_d]])
+        src = np.concatenate([same_i, hop_s, fan_r])
+        dst = np.concatenate([same_j, hop_r, fan_d])
+        if direction == "combine":
+            src, dst = dst, src
+        ranks = np.asarray(group)
+        paths = self.comm._paths(ranks[src], ranks[dst])
+        t = paths.ps_times(nb)
+        out = np.zeros(len(group))
+        np.maximum.at(out, src, t)
+        np.maximum.at(out, dst, t)
+        return out
+
+    def _flow_structure(self, group: list[int]):
+        ranks = np.asarray(group)
+        gpn = self.cluster.gpus_per_node
+        node = ranks // gpn
+        nodes = np.unique(node)
+        node_pos = np.searchsorted(nodes, node)
+        local = ranks % gpn
+        g = len(ranks)
+        ii, jj = np.nonzero((node_pos[:, None] == node_pos[None, :]) & ~np.eye(g, dtype=bool))
+        relay = np.zeros((g, len(nodes)), dtype=np.int64)
+        for n in range(len(nodes)):
+            m = np.flatnonzero(node_pos == n)
+            hit = local[m][None, :] == local[:, None]
+            relay[:, n] = np.where(hit.any(axis=1), m[np.argmax(hit, axis=1)], m[local % len(m)])
+        hs, hn = np.nonzero(node_pos[:, None] != np.arange(len(nodes))[None, :])
+        fs, fd = np.nonzero(node_pos[:, None] != node_pos[None, :])
+        fr = relay[fs, node_pos[fd]]
+        keep = fr != fd
+        return ii, jj, hs, hn, relay[hs, hn], fs[keep], fd[keep], fr[keep]
 
     def _link_bound(self, r: int, grank: np.ndarray, off: np.ndarray) -> np.ndarray:
         """Direct all-to-alls of every group at once: each link's bytes over its bandwidth is when
