@@ -52,6 +52,9 @@ from sim.inputs.scenario import Scenario
 from sim.network.group_times import GroupTimes
 from sim.routing.plan import RoutingPlan
 
+#: SMs the normal dispatch/combine kernels hold by default: DeepEP's 20 (DeepSeek-V3 report sec. 3.2.2,
+#: "only 20 SMs"), HybridEP's 24 inside an NVLink domain (docs/README_Hybrid-EP.md default)
+DISPATCHER_SMS = {"deepep": 20, "hybridep": 24}
 KEYS = ("compute", "a2a", "imbalance_wait", "tp_comm", "pipeline_bubble", "exposed_comm", "optimizer")
 
 
@@ -128,6 +131,8 @@ class LaneEngine:
         self.wait_on = np.zeros((self.pp, n, self.L), dtype=np.int32) if exact else None
         self._group_time: dict[tuple, np.ndarray] = {}
         self._p2p: dict[tuple[int, int], np.ndarray] = {}
+        #: per stage, the kernel and all-to-all seconds of the overlapped pair it is running, if any
+        self._pair: dict[int, list[np.ndarray]] = {}
         #: per stage, each instruction's end on every simulated rank (``moesim layer`` reads them)
         self.marks: list[list[np.ndarray]] = [[] for _ in range(self.pp)]
 
@@ -212,6 +217,8 @@ class LaneEngine:
                            per_rank={"flops": flops if flops is not None else np.zeros(self.n)})
             total = total + secs
         self.key["compute"][r] += total
+        if r in self._pair:
+            self._pair[r][0] += total
         t = t + total
         if pending is not None:  # an overlapped TP collective runs beside these kernels
             extra = np.maximum(pending - t, 0.0)
@@ -232,6 +239,8 @@ class LaneEngine:
         fin, sent, inter = self.a2a.run(r, op, micro, self.q, self.ranks(r), launch)
         self.key["imbalance_wait"][r] += launch - t
         self.key["a2a"][r] += fin
+        if r in self._pair:
+            self._pair[r][1] += fin
         self.sent[r] += sent
         self.inter[r] += inter
         self._span(r, "imbalance_wait", t, launch)
@@ -294,6 +303,27 @@ class LaneEngine:
                         cache[(rr, ins.chunk)] = ins.micro
         return cache[(r, chunk)]
 
+    def _overlap(self, r: int, t: np.ndarray) -> np.ndarray:
+        """End of an overlapped forward-backward pair (``collectives.a2a_overlap``: Megatron's
+        ``overlap_moe_expert_parallel_comm`` in 1F1B's steady state, DualPipe's paired chunks): one
+        micro-batch's all-to-alls run while the other computes, so the pair takes ``max(kernels x
+        slowdown, all-to-alls)`` instead of their sum; the slowdown is the SMs a DeepEP/HybridEP kernel
+        holds while compute overlaps it (``collectives.dispatcher_sms`` of the GPU's ``sm_count``)."""
+        kernels, comm = self._pair.pop(r)
+        slow = self._sm_slowdown()
+        hidden = kernels + comm - np.maximum(kernels * slow, comm)
+        self.key["a2a"][r] -= np.minimum(hidden, comm)
+        self.key["compute"][r] += np.maximum(-hidden, 0.0)
+        return t - hidden  # (traced spans of the pair stay drawn one after the other)
+
+    def _sm_slowdown(self) -> float:
+        c = self.s.collectives
+        sms = self.s.topology.gpu.sm_count
+        if c.all_to_all not in ("deepep", "hybridep") or not sms:
+            return 1.0
+        taken = c.dispatcher_sms or DISPATCHER_SMS[c.all_to_all]
+        return sms / max(sms - taken, 1)
+
     def _weights(self, r: int, chunk, micro: int, t: np.ndarray) -> np.ndarray:
         total = np.zeros(self.n)
         for k in chunk.weight_kernels:
@@ -312,8 +342,13 @@ class LaneEngine:
         sched = prog.schedule
         p = self.s.parallelism
         t = np.zeros(self.n)
-        for ins in st.instructions:
+        seq = st.instructions
+        overlap = self.s.collectives.a2a_overlap
+        for idx, ins in enumerate(seq):
             chunk = st.chunks[ins.chunk]
+            if overlap and ins.kind == "F" and idx + 1 < len(seq) and seq[idx + 1].kind == "B" and (
+                    ins.paired or sched != "dualpipe"):  # fmt: skip
+                self._pair[r] = [np.zeros(self.n), np.zeros(self.n)]  # this F and the next B overlap
             if ins.kind == "W":
                 t = self._weights(r, chunk, ins.micro, t)
                 self.marks[r].append(t)
@@ -331,6 +366,8 @@ class LaneEngine:
                     t = yield from self._recv(("B", v, ins.micro), r, t)
                 part = "bwd_input" if ins.zb else "bwd"
                 t = yield from self._ops(r, chunk, chunk.bwd, part, ins.micro, t)
+                if r in self._pair:
+                    t = self._overlap(r, t)
                 if v > 0:
                     self._send(("B", v - 1, ins.micro), t + self.p2p_time(r, path[v - 1][0], chunk.send_bytes))
             self.marks[r].append(t)
