@@ -33,10 +33,10 @@ CASES = [
     ("128gpu-ep64-hierarchical", "scenarios/128gpu.yaml with EP64 (8 nodes) and hierarchical all-to-all",
      "scenarios/128gpu.yaml", ["parallelism.ep=64", "collectives.all_to_all=hierarchical"],
      ["topk", *NL, "node_limited:M=4", "device_limited:M=4"]),
-    ("deepseek-v3", "scenarios/deepseek-v3-h800.yaml as shipped (EP64 = 8 nodes, hierarchical all-to-all)",
-     "scenarios/deepseek-v3-h800.yaml", [], ["topk", *NL, "node_limited:M=4", "node_limited:M=8"]),
-    ("deepseek-v3-direct", "scenarios/deepseek-v3-h800.yaml with direct all-to-all",
-     "scenarios/deepseek-v3-h800.yaml", ["collectives.all_to_all=direct"],
+    ("deepseek-v3", "scenarios/deepseek-v3-h800-ep-group.yaml as shipped (EP64 = 8 nodes, hierarchical all-to-all)",
+     "scenarios/deepseek-v3-h800-ep-group.yaml", [], ["topk", *NL, "node_limited:M=4", "node_limited:M=8"]),
+    ("deepseek-v3-direct", "scenarios/deepseek-v3-h800-ep-group.yaml with direct all-to-all",
+     "scenarios/deepseek-v3-h800-ep-group.yaml", ["collectives.all_to_all=direct"],
      ["topk", *NL, "node_limited:M=4"]),
 ]  # fmt: skip
 
@@ -108,7 +108,7 @@ STATIC = [
     "- retained gate mass: the fraction of the unconstrained top-k gate score the policy's choice keeps "
     "(1 = same experts as top-k). DeepSeek-V3's topk row is below 1 because selection uses the "
     "aux-loss-free balancing bias while the mass is measured on the unbiased scores.",
-    "- deepseek-v3-h800 runs 8 of DeepSeek-V3's 58 MoE layers (moesim has no pipeline parallelism; "
+    "- deepseek-v3-h800-ep-group runs 8 of DeepSeek-V3's 58 MoE layers (moesim has no pipeline parallelism; "
     "see the scenario's header), 4 micro-batches of 4096 tokens per GPU, bf16.",
     "",
 ]

@@ -6,9 +6,9 @@ The lanes of a stage do identical work up to routing randomness, stragglers and 
 1. **estimate pass**: every lane at once, all-to-alls by the estimate of
    :mod:`sim.engine.a2a_timing` (no SimPy cost per group), recording every lane's arrival at every
    data-parallel rendezvous;
-2. **selection**: the ``PACE_LANES`` lanes that end last in the estimate (the slowest critical paths),
-   every lane holding a straggler or a faulty link, and ``RANDOM_LANES`` others drawn with the
-   routing seed;
+2. **selection**: the ``PACE_LANES`` lanes that end last in the estimate (the slowest critical paths;
+   a degraded or failed link slows the estimate of the lanes whose paths cross it), every lane holding
+   a straggler, and ``RANDOM_LANES`` others drawn with the routing seed;
 3. **DES pass**: the selected lanes with the exact all-to-all model; at each data-parallel rendezvous
    the others arrive when the estimate says, shifted by the median amount the simulated lanes moved
    between the two passes at that rendezvous (:class:`VirtualLanes`).

@@ -105,6 +105,12 @@ def simulate(
         spans = core.pop("_spans")
         out = _assemble(s, plan, None, core, engine)
         return _finish(s, out, spans, trace_ranks, healthy, plan, engine, comm_model, policy, draw, fidelity)
+    if engine == "analytic" and not s.topology.gpu.is_cpu_host and uses_lane_engine(s, "full"):
+        from sim.errors import InputError
+
+        raise InputError("the analytic engine covers DeepSpeed data + expert parallel layouts with direct or "
+                         "hierarchical all-to-alls (no tp, cp, pp, etp, fp8, deepep/hybridep, megatron, fsdp2 or "
+                         "a2a overlap); use --engine des", field="--engine")  # fmt: skip
     sched = build_step(s, plan, cost, factor, jitter_sampler(s), draw=draw)
     if engine == "analytic":
         from sim.engine.analytic import analytic_step

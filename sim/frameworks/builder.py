@@ -48,6 +48,9 @@ class _Layers:
         bpe = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
         tokens = t.micro_batch_size * t.seq_len // p.cp
         self.act_bytes = tokens * self.m.hidden_size * bpe  # a full activation of the TP group
+        m = self.m
+        kv_width = (m.kv_lora_rank or 0) + (m.qk_rope_head_dim or 0) if m.attention == "mla" else 2 * m.kv_heads * m.head_size
+        self.kv_bytes = tokens * kv_width // (self.tp if m.attention != "mla" else 1) * bpe  # one cp rank's K and V
         self.routed = s.routed_tokens_per_rank
         self.expert_bytes = self.routed * self.m.top_k * self.m.hidden_size * bpe  # mean tokens a rank's experts get
         self.overlap = s.collectives.tp_comm_overlap
@@ -75,9 +78,20 @@ class _Layers:
         kind = "all_gather" if first else "reduce_scatter"
         return [GroupComm(f"etp_{kind}", kind, "etp", self.expert_bytes * self.etp, i)]
 
+    def _cp(self, i: int, backward: bool) -> list:
+        """Context parallelism's key/value exchange around the attention core: every cp rank needs
+        every chunk's K and V (all-gather in forward; their gradients reduce-scattered in backward), as a
+        blocking collective on the cp group (ring attention overlaps part of it with the core: not
+        modelled)."""
+        if self.cp == 1:
+            return []
+        kind = "reduce_scatter" if backward else "all_gather"
+        return [GroupComm(f"cp_{kind}", kind, "cp", self.kv_bytes * self.cp, i)]
+
     def forward(self, i: int) -> list:
         moe = self.moe_index.get(i)
-        ops: list = [*self._tp(i, "attention", True), Kernels([Kernel("attention", i)], i), *self._tp(i, "attention", False)]
+        ops: list = [*self._tp(i, "attention", True), *self._cp(i, False), Kernels([Kernel("attention", i)], i),
+                     *self._tp(i, "attention", False)]  # fmt: skip
         if moe is None:
             return [*ops, *self._tp(i, "mlp", True), Kernels([Kernel("mlp", i)], i), *self._tp(i, "mlp", False)]
         ops.append(Kernels([Kernel("route", i), Kernel("permute", i, moe)], i))
@@ -104,7 +118,8 @@ class _Layers:
             ops += [Kernels(head, i), EPAllToAll("combine", "dispatch", moe, i), *self._etp(i, True),
                     Kernels([Kernel("experts", i, moe)], i), *self._etp(i, False),
                     EPAllToAll("dispatch", "combine", moe, i), Kernels([Kernel("permute", i, moe), Kernel("route", i)], i)]  # fmt: skip
-        return [*ops, *self._tp(i, "attention", True), Kernels([Kernel("attention", i)], i), *self._tp(i, "attention", False)]
+        return [*ops, *self._tp(i, "attention", True), Kernels([Kernel("attention", i)], i), *self._cp(i, True),
+                *self._tp(i, "attention", False)]  # fmt: skip
 
 
 def _merge(ops: list) -> list:

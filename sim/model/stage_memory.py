@@ -101,6 +101,11 @@ def _activations(s: Scenario, layers: list[int], rank: int, head: bool) -> int:
     if t.activation_checkpointing == "full":
         one = len(per) * tokens * m.hidden_size * act
         return int(one * in_flight(s, rank)) + max(per) + logits
+    if t.activation_checkpointing == "selective":  # norms' outputs and expert activations recomputed
+        width = m.moe_ffn_hidden_size or m.hidden_size
+        saved = [2 * tokens * m.hidden_size * act + (rows * width * act if layer_params(m, i).num_experts else 0)
+                 for i in layers]  # fmt: skip
+        per = [max(a - b, 0) for a, b in zip(per, saved, strict=True)]
     return int(sum(per) * in_flight(s, rank)) + logits
 
 
