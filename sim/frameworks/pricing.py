@@ -173,7 +173,7 @@ class Pricer:
                                              m.num_experts, m.top_k, m.num_experts * c, True, bpe)  # fmt: skip
             z = np.zeros(len(q))
             return self.cost.dispatcher_time(bf, of), self.cost.dispatcher_time(bb, ob), z, z
-        copies = plan.kept[moe, micro][q].sum(axis=1).astype(np.float64)
+        copies = plan.pair_copies(moe, micro, q).sum(axis=1).astype(np.float64)
         g = self.cost.dispatcher_time(2 * copies * d * bpe, 1)  # permute: gather; unpermute: weighted scatter
         z = np.zeros(len(q))
         return g, g, z, z

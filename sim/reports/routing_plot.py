@@ -5,6 +5,7 @@ Imports matplotlib (Agg backend) when called; the PNG is written atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 from pathlib import Path
 
@@ -12,16 +13,26 @@ import numpy as np
 
 from sim.ioutil import atomic_write_bytes
 from sim.routing.plan import RoutingPlan
-from sim.routing.traffic import received
+from sim.routing.traffic import group_matrix
+
+#: The heatmap shows at most this many ranks (the first EP groups): 8,192 x 8,192 pixels say nothing more.
+HEATMAP_RANKS = 512
 
 
-def mean_dispatch_MB(plan: RoutingPlan) -> np.ndarray:
-    """(world, world) dispatch MB (1e6 bytes) src -> dst per MoE layer and micro-batch, averaged."""
-    total = np.zeros((plan.layout.world, plan.layout.world))
-    for layer in range(plan.num_moe_layers):
-        for micro in range(plan.micro_batches):
-            total += plan.dispatch_bytes(layer, micro, plan.hidden_size, plan.bytes_per_elem)
-    return total / (plan.num_moe_layers * plan.micro_batches) / 1e6
+def mean_dispatch_MB(plan: RoutingPlan, ranks: int | None = None) -> np.ndarray:
+    """(n, n) dispatch MB (1e6 bytes) src -> dst per MoE layer and micro-batch, averaged, over the
+    first n ranks (whole EP groups; all ranks when ``ranks`` is None). Built from the per-group
+    blocks, never a world x world matrix beyond those n ranks."""
+    lay = plan.layout
+    n = lay.world if ranks is None else max(lay.ep, min(ranks, lay.world) // lay.ep * lay.ep)
+    cells = plan.num_moe_layers * plan.micro_batches
+    elem = plan.hidden_size * plan.bytes_per_elem
+    if plan.padded is not None:  # every member gets the group's E/ep x C chunk
+        chunk = plan.padded[:, :, : n // lay.ep].sum(axis=(0, 1)) * lay.experts_per_rank
+        per_dst = np.repeat(np.repeat(chunk.astype(np.float64), lay.ep)[:, None], lay.ep, axis=1)
+    else:
+        per_dst = plan.counts.pair_copies[:, :, :n].sum(axis=(0, 1), dtype=np.int64).astype(np.float64)
+    return group_matrix(per_dst, dataclasses.replace(lay, world=n)) * elem / cells / 1e6
 
 
 def plot_routing(plan: RoutingPlan, path: str | Path) -> None:
@@ -33,18 +44,19 @@ def plot_routing(plan: RoutingPlan, path: str | Path) -> None:
 
     lay = plan.layout
     fig, (ax_map, ax_hist) = plt.subplots(1, 2, figsize=(13, 5.6), gridspec_kw={"width_ratios": [1.1, 1]})
-    heat = mean_dispatch_MB(plan)
+    heat = mean_dispatch_MB(plan, HEATMAP_RANKS)
+    shown_ranks = "" if len(heat) == lay.world else f", first {len(heat)} of {lay.world} ranks"
     shown = np.ma.masked_where(heat <= 0, heat)
     im = ax_map.imshow(shown, cmap="viridis", interpolation="nearest", origin="upper")
     fig.colorbar(im, ax=ax_map, label="dispatch MB per MoE layer per micro-batch")
-    for b in range(lay.gpus_per_node, lay.world, lay.gpus_per_node):
+    for b in range(lay.gpus_per_node, len(heat), lay.gpus_per_node):
         ax_map.axhline(b - 0.5, color="white", lw=0.4, alpha=0.5)
         ax_map.axvline(b - 0.5, color="white", lw=0.4, alpha=0.5)
     ax_map.set_xlabel("destination rank (thin lines: node boundaries)")
     ax_map.set_ylabel("source rank")
-    ax_map.set_title(f"dispatch traffic ({plan.dispatch}; blank = no traffic)", fontsize=10)
+    ax_map.set_title(f"dispatch traffic ({plan.dispatch}{shown_ranks}; blank = no traffic)", fontsize=10)
 
-    load = received(plan.kept, lay).astype(np.float64)  # (layers, micro, world, experts_per_rank)
+    load = plan.counts.expert_rows.astype(np.float64)  # (layers, micro, world, experts_per_rank)
     mean = load.reshape(*load.shape[:2], -1).mean(axis=-1)[:, :, None, None]
     ratio = (load / np.where(mean > 0, mean, 1)).ravel()
     ax_hist.hist(ratio, bins=60, color="tab:blue", alpha=0.85)

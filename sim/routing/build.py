@@ -12,8 +12,6 @@ gate scores (and the same Gaussian noise): comparisons are paired.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 
 from sim.errors import InputError
@@ -21,9 +19,10 @@ from sim.inputs.router_trace import load_trace
 from sim.inputs.scenario import Scenario
 from sim.routing.balance import aux_free_bias
 from sim.routing.capacity import deepspeed_capacity, drop_order, keep_mask
+from sim.routing.counts import CountsWriter, LayerCounts, PlanArrays
 from sim.routing.gates import gate_scores, log_popularity, popularity_layer_groups, sample_logits
 from sim.routing.policy import ExpertLayout, RoutingPolicy
-from sim.routing.pool import cap_counts, gaussian_features, pool_moments, round_counts
+from sim.routing.pool import CountDraw, feature_shift, pool_moments, prefetched_noise
 from sim.routing.tokens import FeatureColumns, RoutedTokens, aggregate_batches, route_tokens, token_features
 
 #: Pool tokens shared out over the distinct layer distributions, and the floor per distribution.
@@ -35,20 +34,6 @@ MAX_TYPES = 256
 MASS_TOKENS = 16384
 #: Tokens the aux-free balancing steps route per update.
 BALANCE_POOL_TOKENS = 8192
-
-
-@dataclass
-class PlanArrays:
-    """Counts (layers, micro_batches, world, ...) int32 and the per-token statistics of the routing."""
-
-    assigned: np.ndarray
-    kept: np.ndarray
-    rank_tokens: np.ndarray
-    node_tokens: np.ndarray
-    retained_gate_mass: np.ndarray | None
-    mean_weight_sum: np.ndarray | None
-    sample_chosen: np.ndarray | None
-    balancing: list[float] | None
 
 
 class _Setup:
@@ -106,16 +91,9 @@ class _Setup:
             self.tokens, self.model.num_experts, self.model.top_k, self.r.capacity_factor, self.r.min_capacity
         )
 
-    def outputs(self) -> list[np.ndarray]:
-        """assigned, kept, rank_tokens, node_tokens arrays; without a capacity kept *is* assigned."""
-        lay = self.layout
-
-        def empty(width: int) -> np.ndarray:
-            return np.zeros((self.layers, self.micro, lay.world, width), dtype=np.int32)
-
-        assigned = empty(lay.num_experts)
-        kept = assigned if self.capacity() is None else empty(lay.num_experts)
-        return [assigned, kept, empty(lay.ep), empty(self.cols.max_slots)]
+    def writer(self) -> CountsWriter:
+        """Where the layers' counts go; kept copies are assigned ones without a capacity."""
+        return CountsWriter(self.layout, self.cols, self.layers, self.micro, self.capacity() is not None)
 
 
 def build_pooled(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = POOL_TOKENS) -> PlanArrays:
@@ -132,24 +110,21 @@ def build_pooled(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = P
     seqs = max(1, s_tok // st.seq_len)
     noise_rng = np.random.default_rng([st.r.seed, 13])
     type_rng = np.random.default_rng([st.r.seed, 17])
-    cap = st.capacity()
-    out = st.outputs()
-    for layer in range(st.layers):
+    writer = st.writer()
+    group_max = st.r.dispatch == "capacity_padded" and st.capacity() is None  # buffers sized by the largest
+    draw = CountDraw(lay, cols, pattern_of_cell, s_tok, k, st.capacity(), writer.wide, group_max)
+    noises = prefetched_noise(noise_rng, (cells, cols.width), st.layers)
+    for layer, noise in enumerate(noises):
         g = int(st.group_of_layer[layer])
-        noise = noise_rng.standard_normal((cells, cols.width), dtype=np.float32)
-        type_counts = None
-        if st.types > 1:
-            draws = type_rng.integers(st.types, size=(cells, seqs))
-            type_counts = np.zeros((cells, st.types))
-            np.add.at(type_counts, (np.repeat(np.arange(cells), seqs), draws.ravel()), 1.0)
-        x = gaussian_features(moments[g], noise, s_tok, st.seq_len, type_counts)
-        counts = round_counts(x, lay, cols, pattern_of_cell, s_tok, k, max_nodes[g])
-        kept = counts if cap is None else cap_counts(*counts, lay, cols, pattern_of_cell, cap, k)
-        for arr, value in zip(out, (counts[0], *kept), strict=True):
-            arr[layer] = value.reshape(st.micro, lay.world, -1)
+        types = type_rng.integers(st.types, size=(cells, seqs)) if st.types > 1 else None
+        shift = feature_shift(moments[g], s_tok, st.seq_len, types)
+        writer.add(layer, draw.counts(noise, moments[g], shift, max_nodes[g]))
     retained = np.array([routed[g].kept_mass / routed[g].topk_mass for g in st.group_of_layer])
     weight_sum = np.array([routed[g].mean_weight_sum for g in st.group_of_layer])
-    return PlanArrays(*out, retained, weight_sum, routed[0].chosen, st.balancing)
+    return writer.arrays(
+        retained_gate_mass=retained, mean_weight_sum=weight_sum, sample_chosen=routed[0].chosen,
+        balancing=st.balancing,
+    )  # fmt: skip
 
 
 def _max_nodes(features: np.ndarray, cols: FeatureColumns) -> np.ndarray:
@@ -205,7 +180,11 @@ def build_from_trace(scenario: Scenario, policy: RoutingPolicy) -> PlanArrays:
     assigned = trace.assigned[step, :micro].swapaxes(0, 1).astype(np.int32)
     kept = trace.kept[step, :micro].swapaxes(0, 1).astype(np.int32)
     rank_tokens, node_tokens = estimate_distinct(kept, layout, cols, scenario.tokens_per_micro_batch, m.top_k)
-    return PlanArrays(assigned, kept, rank_tokens, node_tokens, None, None, None, None)
+    writer = CountsWriter(layout, cols, m.num_moe_layers, micro, capped=True)
+    for layer in range(m.num_moe_layers):
+        counts = LayerCounts.of(assigned[layer], kept[layer], rank_tokens[layer], node_tokens[layer], layout)
+        writer.add(layer, counts)
+    return writer.arrays()
 
 
 def estimate_distinct(
@@ -245,10 +224,10 @@ def build_balanced(scenario: Scenario, policy: RoutingPolicy) -> PlanArrays:
     cols = FeatureColumns.of(lay)
     layers, micro = m.num_moe_layers, scenario.training.grad_accum_steps
     tokens, k, e = scenario.routed_tokens_per_rank, m.top_k, m.num_experts
-    shape = (layers, micro, lay.world)
-    assigned = np.zeros((*shape, e), dtype=np.int32)
-    rank_tokens = np.zeros((*shape, lay.ep), dtype=np.int32)
-    node_tokens = np.zeros((*shape, cols.max_slots), dtype=np.int32)
+    writer = CountsWriter(lay, cols, layers, micro, capped=False)
+    assigned = np.zeros((micro, 1, e), dtype=np.int32)  # one layer; every rank alike
+    rank_tokens = np.zeros((micro, 1, lay.ep), dtype=np.int32)
+    node_tokens = np.zeros((micro, lay.world, cols.max_slots), dtype=np.int32)
     pattern_of_rank = cols.pattern_of_group[np.arange(lay.world) // lay.ep]
     i = np.arange(tokens)
     limited = policy.name != "topk"
@@ -271,16 +250,19 @@ def build_balanced(scenario: Scenario, policy: RoutingPolicy) -> PlanArrays:
             else:
                 perm = rng.permutation(e) if r.balanced_pattern == "spread" else np.arange(e)
                 chosen = perm[(i[:, None] * k + np.arange(k)[None, :]) % e]  # (tokens, k)
-            assigned[layer, mb] = np.bincount(chosen.ravel(), minlength=e)[None, :]
+            assigned[mb, 0] = np.bincount(chosen.ravel(), minlength=e)
             dst = chosen // lay.experts_per_rank
             reach = np.zeros((tokens, lay.ep), dtype=bool)
             reach[np.repeat(i, k), dst.ravel()] = True
-            rank_tokens[layer, mb] = reach.sum(axis=0)[None, :]
+            rank_tokens[mb, 0] = reach.sum(axis=0)
             for p, slots in enumerate(cols.patterns):
                 node_reach = np.zeros((tokens, cols.max_slots), dtype=bool)
                 node_reach[np.repeat(i, k), slots[dst.ravel()]] = True
-                node_tokens[layer, mb, pattern_of_rank == p] = node_reach.sum(axis=0)
-    return PlanArrays(assigned, assigned, rank_tokens, node_tokens, np.ones(layers), np.ones(layers), None, None)
+                node_tokens[mb, pattern_of_rank == p] = node_reach.sum(axis=0)
+        every = np.broadcast_to(assigned, (micro, lay.world, e))
+        ranks = np.broadcast_to(rank_tokens, (micro, lay.world, lay.ep))
+        writer.add(layer, LayerCounts.of(every, every, ranks, node_tokens, lay))
+    return writer.arrays(retained_gate_mass=np.ones(layers), mean_weight_sum=np.ones(layers))
 
 
 def build_exact(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = POOL_TOKENS) -> PlanArrays:
@@ -290,10 +272,11 @@ def build_exact(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = PO
     w = lay.world
     cap = st.capacity()
     order = drop_order(k, st.r.drop_policy)
-    out = st.outputs()
+    writer = st.writer()
     mass = np.zeros((st.layers, 3))
     for layer in range(st.layers):
         g = int(st.group_of_layer[layer])
+        counts = []
         for mb in range(st.micro):
             rng = np.random.default_rng([st.r.seed, 14, layer, mb])
             n_seq = w * max(1, s_tok // st.seq_len)
@@ -306,16 +289,18 @@ def build_exact(scenario: Scenario, policy: RoutingPolicy, pool_tokens: int = PO
             else:
                 drop_rng = np.random.default_rng([st.r.seed, 15, layer, mb])
                 kept = keep_mask(chosen, rt.gate.reshape(w, s_tok, k), e, cap, order, drop_rng)
-            for arr, value in zip(out, aggregate_batches(chosen, kept, lay, cols), strict=True):
-                arr[layer, mb] = value
+            counts.append(aggregate_batches(chosen, kept, lay, cols))
             mass[layer] += (rt.kept_mass, rt.topk_mass, rt.mean_weight_sum / st.micro)
+        writer.add(layer, LayerCounts.of(*(np.stack(c) for c in zip(*counts, strict=True)), lay))
     retained, weight_sum = mass[:, 0] / mass[:, 1], mass[:, 2]
-    return PlanArrays(*out, retained, weight_sum, st.route_pool(0).chosen, st.balancing)
+    return writer.arrays(
+        retained_gate_mass=retained, mean_weight_sum=weight_sum, sample_chosen=st.route_pool(0).chosen,
+        balancing=st.balancing,
+    )  # fmt: skip
 
 
 __all__ = [
     "POOL_TOKENS",
-    "PlanArrays",
     "build_balanced",
     "build_exact",
     "build_from_trace",

@@ -82,8 +82,12 @@ def padded_capacity(assigned: np.ndarray, ep: int, tokens: int, top_k: int) -> n
     """
     lead = assigned.shape[:-2]
     world, experts = assigned.shape[-2:]
-    cap = assigned.reshape(*lead, world // ep, ep * experts).max(axis=-1)
-    return np.minimum(cap, tokens) if top_k == 1 else cap
+    return group_padding(assigned.reshape(*lead, world // ep, ep * experts).max(axis=-1), tokens, top_k)
 
 
-__all__ = ["deepspeed_capacity", "drop_order", "keep_mask", "padded_capacity"]
+def group_padding(group_max: np.ndarray, tokens: int, top_k: int) -> np.ndarray:
+    """:func:`padded_capacity` from the largest expert count of each EP group."""
+    return np.minimum(group_max, tokens) if top_k == 1 else group_max
+
+
+__all__ = ["deepspeed_capacity", "drop_order", "group_padding", "keep_mask", "padded_capacity"]

@@ -9,7 +9,7 @@ kept counts, Megatron/DeepEP). Shared experts compute every local token and are 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -17,29 +17,27 @@ import numpy as np
 from sim.inputs.scenario import Scenario
 from sim.routing.build import (
     POOL_TOKENS,
-    PlanArrays,
     build_balanced,
     build_exact,
     build_from_trace,
     build_pooled,
 )
-from sim.routing.capacity import deepspeed_capacity, padded_capacity
+from sim.routing.capacity import deepspeed_capacity, group_padding
+from sim.routing.counts import WIDE_LIMIT, PlanArrays, compact
 from sim.routing.policy import ExpertLayout, RoutingPolicy
+from sim.routing.threads import single_blas_thread
 from sim.routing.tokens import FeatureColumns
 from sim.routing.traffic import (
     group_matrix,
-    layer_statistics,
     locality_masks,
     measured_touched,
     node_matrix,
-    rank_copies,
-    received,
     uniform_touched,
 )
 
 #: ``method="auto"`` samples every token exactly while layers x micro x world x tokens x E stays under this.
 EXACT_LIMIT = 1 << 23
-BYTES_PER_ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4}
+BYTES_PER_ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2, "mxfp8": 2}  # storage bytes: FP8 recipes keep bf16 tensors
 
 
 def expert_param_count(scenario: Scenario) -> int:
@@ -71,29 +69,56 @@ class RoutingPlan:
     capacity_per_rank: int | None
     arrays: PlanArrays
     padded: np.ndarray | None  # (layers, micro, groups) capacity C of the padded buffers
+    _compact: PlanArrays | None = field(default=None, init=False, repr=False, compare=False)
 
     # ---- counts ------------------------------------------------------------------------------
     @property
+    def counts(self) -> PlanArrays:
+        """:attr:`arrays` with the compact part (:mod:`sim.routing.counts`), derived once from the
+        E-wide counts where the plan keeps those."""
+        if self.arrays.pair_copies is not None:
+            return self.arrays
+        if self._compact is None:
+            self._compact = compact(self.arrays, self.layout, self.cols)
+        return self._compact
+
+    @property
     def kept(self) -> np.ndarray:
         """(layers, micro, world, E) tokens of source rank r kept for expert e of r's EP group."""
-        return self.arrays.kept
+        return self._wide(self.arrays.kept)
 
     @property
     def assigned(self) -> np.ndarray:
         """Like :attr:`kept`, before capacity drops."""
-        return self.arrays.assigned
+        return self._wide(self.arrays.assigned)
+
+    def _wide(self, counts: np.ndarray | None) -> np.ndarray:
+        if counts is None:
+            lay = self.layout
+            raise ValueError(
+                "per-expert counts are kept while MoE layers x micro-batches x world x experts <= "
+                f"{WIDE_LIMIT} ({self.num_moe_layers} x {self.micro_batches} x {lay.world} x "
+                f"{lay.num_experts} here); use pair_copies() and expert_load()"
+            )
+        return counts
 
     @property
     def num_moe_layers(self) -> int:
-        return int(self.kept.shape[0])
+        return int(self.arrays.rank_tokens.shape[0])
 
     @property
     def micro_batches(self) -> int:
-        return int(self.kept.shape[1])
+        return int(self.arrays.rank_tokens.shape[1])
+
+    def pair_copies(self, layer: int, micro: int, rows: np.ndarray | None = None) -> np.ndarray:
+        """(world, ep) int32 token copies each source rank sends to each EP-local rank of its group
+        (kept copies, one per token and expert); only the source ranks ``rows`` when given."""
+        copies = self.counts.pair_copies[layer, micro]
+        return copies if rows is None else copies[rows]
 
     def dispatch_tokens(self, layer: int, micro: int) -> np.ndarray:
         """(world, world) token copies src -> dst rank (one per token and expert)."""
-        return group_matrix(rank_copies(self.kept[layer, micro], self.layout), self.layout)
+        return group_matrix(self.pair_copies(layer, micro).astype(np.int64), self.layout)
 
     def dispatch_rank_tokens(self, layer: int, micro: int) -> np.ndarray:
         """(world, world) distinct tokens src -> dst rank (a token sent once per rank, DeepEP style)."""
@@ -108,7 +133,7 @@ class RoutingPlan:
         if self.padded is not None:
             c = np.repeat(self.padded[layer, micro], self.layout.ep) * self.layout.ep
             return np.repeat(c[:, None], self.layout.experts_per_rank, axis=1).astype(np.int64)
-        return received(self.kept[layer, micro], self.layout)
+        return self.counts.expert_rows[layer, micro].astype(np.int64)
 
     def shared_expert_load(self) -> np.ndarray:
         """(world, num_shared_experts) rows each shared expert computes: every local token."""
@@ -116,7 +141,7 @@ class RoutingPlan:
 
     def dispatch_bytes(self, layer: int, micro: int, hidden: int, bytes_per_elem: int) -> np.ndarray:
         """(world, world) dispatch bytes src -> dst (diagonal: the rank's own chunk, never on a wire).
-        Combine moves the transpose."""
+        Combine moves the transpose. For the per-rank reference engine (world x world)."""
         if self.padded is not None:
             chunk = self.padded[layer, micro].astype(np.int64) * self.layout.experts_per_rank
             per_dst = np.repeat(np.repeat(chunk, self.layout.ep)[:, None], self.layout.ep, axis=1)
@@ -130,9 +155,7 @@ class RoutingPlan:
     # ---- statistics --------------------------------------------------------------------------
     def layer_stats(self) -> dict[str, np.ndarray]:
         a = self.arrays
-        stats = layer_statistics(
-            a.assigned, a.kept, a.rank_tokens, a.node_tokens, self.layout, self.cols, self.tokens_per_rank
-        )
+        stats = self.counts.sums.statistics(self.layout.world, self.tokens_per_rank)
         missing = np.full(self.num_moe_layers, np.nan)
         stats["retained_gate_mass"] = a.retained_gate_mass if a.retained_gate_mass is not None else missing
         stats["mean_routing_weight_sum"] = a.mean_weight_sum if a.mean_weight_sum is not None else missing
@@ -147,9 +170,9 @@ class RoutingPlan:
         cells = self.num_moe_layers * self.micro_batches
         dedup = None
         if self.padded is None:
-            copies = rank_copies(self.kept, self.layout)
-            total = float((copies * ~local).sum()) * elem
-            inter = float((copies * ~same_node).sum()) * elem
+            s = self.counts.sums
+            total = float((s.copies - s.local).sum()) * elem
+            inter = float((s.copies - s.local - s.intra).sum()) * elem
             nodes = self.arrays.node_tokens.sum(axis=(0, 1), dtype=np.int64)  # (world, slots)
             ranks = np.arange(self.layout.world)
             own = self.cols.patterns[
@@ -242,21 +265,14 @@ def route_scenario(
         if used not in ("exact", "pooled"):
             raise ValueError(f"method must be exact, pooled or auto, not {method!r}")
         build = build_exact if used == "exact" else build_pooled
-        arrays = build(scenario, pol, pool_tokens)
+        with single_blas_thread():
+            arrays = build(scenario, pol, pool_tokens)
     cap = (
         None
         if r.capacity_factor is None
         else deepspeed_capacity(s_tok, m.num_experts, m.top_k, r.capacity_factor, r.min_capacity)
     )
-    padded = None
-    if r.dispatch == "capacity_padded":
-        shape = (*arrays.kept.shape[:2], layout.num_ep_groups)
-        padded = (
-            np.full(shape, cap, dtype=np.int64)
-            if cap is not None
-            else padded_capacity(arrays.assigned.astype(np.int64), layout.ep, s_tok, m.top_k)
-        )
-    return RoutingPlan(
+    plan = RoutingPlan(
         scenario=scenario.name,
         policy=pol.label,
         method=used,
@@ -272,8 +288,16 @@ def route_scenario(
         seed=r.seed,
         capacity_per_rank=cap,
         arrays=arrays,
-        padded=padded,
+        padded=None,
     )
+    if r.dispatch == "capacity_padded":  # drop_tokens=False: the largest count of each EP group
+        shape = (m.num_moe_layers, scenario.training.grad_accum_steps, layout.num_ep_groups)
+        plan.padded = (
+            np.full(shape, cap, dtype=np.int64)
+            if cap is not None
+            else group_padding(plan.counts.group_max, s_tok, m.top_k)
+        )
+    return plan
 
 
 __all__ = ["EXACT_LIMIT", "RoutingPlan", "expert_param_count", "route_scenario"]

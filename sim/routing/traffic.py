@@ -1,6 +1,6 @@
 """Traffic matrices and routing statistics from per-rank counts.
 
-Counts are (layers, micro_batches, world, ...) arrays (see :class:`sim.routing.plan.RoutingPlan`); expert
+Counts are (..., world, ...) arrays (see :class:`sim.routing.plan.RoutingPlan`); expert
 ``e`` of rank r's EP group lives on EP-local rank ``e // (E / ep)``. Token *copies* count one per
 (token, expert); *distinct* tokens count a token once per destination rank or node.
 Definitions (all over kept copies, after capacity drops):
@@ -87,45 +87,8 @@ def measured_touched(
     return float(hit.sum(axis=1).mean())
 
 
-def layer_statistics(
-    assigned: np.ndarray,
-    kept: np.ndarray,
-    rank_tokens: np.ndarray,
-    node_tokens: np.ndarray,
-    layout: ExpertLayout,
-    cols: FeatureColumns,
-    tokens_per_rank: int,
-) -> dict[str, np.ndarray]:
-    """Per-layer statistics (arrays of length layers) from (layers, micro, world, ...) counts."""
-    local, same_node = locality_masks(layout, cols)
-    copies = rank_copies(kept, layout)
-    total = copies.sum(axis=(1, 2, 3)).astype(np.float64)
-    safe = np.where(total > 0, total, 1.0)
-    local_c = (copies * local).sum(axis=(1, 2, 3))
-    intra_c = (copies * (same_node & ~local)).sum(axis=(1, 2, 3))
-    recv = received(kept, layout)
-    micro, world = kept.shape[1], kept.shape[2]
-    n_tokens = micro * world * tokens_per_rank
-    kept_sum = kept.sum(axis=(1, 2, 3), dtype=np.int64)
-    assigned_sum = assigned.sum(axis=(1, 2, 3), dtype=np.int64)
-    return {
-        "local_fraction": local_c / safe,
-        "intra_node_fraction": intra_c / safe,
-        "inter_node_fraction": (total - local_c - intra_c) / safe,
-        "max_over_mean_load": max_over_mean(recv.sum(axis=-1)).mean(axis=1),
-        "max_over_mean_expert_load": max_over_mean(recv.reshape(*recv.shape[:2], -1)).mean(axis=1),
-        "dropped_fraction": 1.0 - kept_sum / np.maximum(assigned_sum, 1),
-        "mean_ranks_per_token": rank_tokens.sum(axis=(1, 2, 3), dtype=np.int64) / n_tokens,
-        "mean_nodes_per_token": node_tokens.sum(axis=(1, 2, 3), dtype=np.int64) / n_tokens,
-        "kept_copies": kept_sum,
-        "assigned_copies": assigned_sum,
-        "copies": total,
-    }
-
-
 __all__ = [
     "group_matrix",
-    "layer_statistics",
     "locality_masks",
     "max_over_mean",
     "measured_touched",
