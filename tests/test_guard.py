@@ -14,6 +14,7 @@ import pytest
 from conftest import ROOT, run_cli
 
 from sim.api import load_scenario
+from sim.engine.simulate import uses_lane_engine
 from sim.errors import InputError
 from sim.studies.guard import (
     MEMORY_FRACTION,
@@ -29,7 +30,7 @@ GiB = float(1 << 30)
 
 
 def test_100k_gpus_with_direct_all_to_all_is_refused_with_the_estimate():
-    p = run_cli("simulate", str(BIG), *HUGE, "--json", "-", timeout=120)
+    p = run_cli("simulate", str(BIG), *HUGE, "--fidelity", "full", "--json", "-", timeout=120)
     assert p.returncode == 2, p.stderr
     assert p.stdout == ""  # nothing ran, no JSON
     err = p.stderr
@@ -41,8 +42,8 @@ def test_100k_gpus_with_direct_all_to_all_is_refused_with_the_estimate():
     # the (world x world) float64 dispatch matrix of each of the 48 x 8 (MoE layer, micro-batch) cells
     assert float(m.group(1)) * (1024 if m.group(2) == "PiB" else 1) >= 8 * 100_000**2 * 48 * 8 / 2**40
     assert "dispatch matrices" in err and "--force" in err and "fewer nodes: --set cluster.nodes=" in err
-    # the analytic engine and routing alone are refused too (world^2 temporaries, routing arrays)
-    for args in (("simulate", str(BIG), *HUGE, "--engine", "analytic"), ("route", str(BIG), *HUGE)):
+    # the analytic engine is refused too (world^2 temporaries); routing alone now fits (world x ep arrays)
+    for args in (("simulate", str(BIG), *HUGE, "--engine", "analytic"),):
         q = run_cli(*args, timeout=120)
         assert q.returncode == 2 and "cluster.nodes" in q.stderr and "estimated" in q.stderr, q.stderr
 
@@ -52,7 +53,7 @@ def test_refusal_allocates_nothing_big():
     tracemalloc.start()
     try:
         with pytest.raises(InputError) as exc:
-            check_resources(s, available_bytes=16 * GiB, limit_s=3600)
+            check_resources(s, available_bytes=16 * GiB, limit_s=3600, fidelity="full")
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
@@ -64,7 +65,7 @@ def test_every_suggestion_in_the_message_fits():
     s = load_scenario(BIG, ["cluster.nodes=12500"])
     avail, limit = 16 * GiB, 3600.0
     with pytest.raises(InputError) as exc:
-        check_resources(s, available_bytes=avail, limit_s=limit)
+        check_resources(s, available_bytes=avail, limit_s=limit, fidelity="full")
     msg = str(exc.value)
     n = int(re.search(r"fewer nodes: --set cluster.nodes=(\d+) or less", msg).group(1))
     fit = estimate(load_scenario(BIG, [f"cluster.nodes={n}"]))
@@ -72,22 +73,35 @@ def test_every_suggestion_in_the_message_fits():
     assert (n * 8) % 16 == 0  # ep 16 still divides the world
     nxt = next(k for k in range(n + 1, n + 10) if (k * 8) % 16 == 0)
     with pytest.raises(InputError):  # the next valid layout up does not fit: n is the largest
-        check_resources(load_scenario(BIG, [f"cluster.nodes={nxt}"]), available_bytes=avail, limit_s=limit)
+        check_resources(load_scenario(BIG, [f"cluster.nodes={nxt}"]), available_bytes=avail, limit_s=limit,
+                        fidelity="full")  # fmt: skip
     na = int(re.search(r"--engine analytic with --set cluster.nodes=(\d+) or less", msg).group(1))
     est = check_resources(load_scenario(BIG, [f"cluster.nodes={na}"]), "analytic", available_bytes=avail,
                           limit_s=limit)  # fmt: skip
     assert est.engine == "analytic" and na > n
     # force: the same scenario goes through, with its estimate
-    forced = check_resources(s, force=True, available_bytes=avail, limit_s=limit)
+    forced = check_resources(s, force=True, available_bytes=avail, limit_s=limit, fidelity="full")
     assert forced.memory_bytes > avail
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "scenarios").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_scenarios_pass(path):
     s = load_scenario(path)
-    for engine in ("des", "analytic", "route"):
+    lanes_only = not s.topology.gpu.is_cpu_host and uses_lane_engine(s, "full")  # no analytic engine for it
+    for engine in ("des", "route") if lanes_only else ("des", "analytic", "route"):
         est = check_resources(s, engine)
         assert 0 < est.memory_bytes < 2 * GiB and 0 < est.time_s < 600
+
+
+def test_the_folded_default_reaches_100k_gpus_and_full_fidelity_does_not():
+    """The lane engine's costs grow with world x ep (routing) and the lanes it follows, not world^2."""
+    s = load_scenario(BIG, ["cluster.nodes=12500"])
+    folded = check_resources(s, available_bytes=16 * GiB, limit_s=3600)
+    assert folded.engine == "des-lanes" and folded.memory_bytes < 13 * GiB
+    with pytest.raises(InputError, match="cluster.nodes"):
+        check_resources(s, available_bytes=16 * GiB, limit_s=3600, fidelity="full")
+    small = check_resources(load_scenario(BIG, ["cluster.nodes=1024"]), available_bytes=16 * GiB, limit_s=3600)
+    assert small.memory_bytes < 4 * GiB and small.time_s < 120
 
 
 def test_time_limit_and_force_on_the_cli(tmp_path):

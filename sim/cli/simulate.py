@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     from sim.engine.simulate import simulate
 
     scenario = scenario_from_args(args)
-    check_resources(scenario, engine=args.engine, comm_model=args.comm_model, force=args.force)
+    check_resources(scenario, engine=args.engine, comm_model=args.comm_model, force=args.force, fidelity=args.fidelity)
     trace_ranks = None
     if args.trace or args.plot:
         trace_ranks = (

@@ -45,6 +45,7 @@ _COLUMN = ("linear_qkv", "linear_q", "linear_q_up", "linear_kv_up", "linear_fc1"
 _ROW = ("linear_proj", "linear_fc2")
 #: Routing-dependent blocks kept priced (oldest dropped first): a micro-batch's forward's for its backward.
 RECENT_BLOCKS = 512
+RECENT_BYTES = 1 << 28  # and no more than 256 MiB of them (4 float64 arrays per block)
 #: Passes a block is priced for.
 PASSES = ("fwd", "bwd", "bwd_input", "bwd_weight")
 
@@ -201,7 +202,7 @@ class Pricer:
             key = (name, moe, micro, len(q), hash(q.tobytes()))
             hit = self._recent.get(key)
             if hit is None:
-                if len(self._recent) >= RECENT_BLOCKS:
+                if len(self._recent) >= min(RECENT_BLOCKS, max(8, RECENT_BYTES // (32 * max(len(q), 1)))):
                     self._recent.pop(next(iter(self._recent)))
                 hit = self._recent[key] = self._routed(name, moe, micro, q)
             f, dg, wg, fl = hit

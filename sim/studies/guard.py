@@ -87,10 +87,15 @@ class Shape:
     buckets: int  # gradient buckets per reduction phase (non-expert + expert)
     faults: bool
     pool_tokens: int
+    model_parallel: int = 1  # tp x cp x pp: routing covers one pipeline stage's tp x cp x dp ranks
 
     @property
     def world(self) -> int:
         return self.nodes * self.gpus_per_node
+
+    @property
+    def routed_world(self) -> int:
+        return max(self.world // self.model_parallel, 1)
 
     @property
     def moe_layers(self) -> int:
@@ -131,6 +136,7 @@ def shape_of(s) -> Shape:
         buckets=max(buckets, 1),
         faults=bool(f.links or f.stragglers or (f.jitter is not None and f.jitter.kernel_cv > 0)),
         pool_tokens=max(POOL_TOKENS, (m.num_moe_layers if drift else 1) * 4096),
+        model_parallel=s.parallelism.pp,
     )
 
 
@@ -201,11 +207,15 @@ def estimate(s_or_shape, engine: str = "des", comm_model: str = "auto") -> Estim
     width = e * (2 if sh.capped else 1) + ep + sh.slots
     mem: dict[str, float] = {"base": BASE_BYTES}
     tim: dict[str, float] = {}
+    w_all, w = w, float(sh.routed_world)  # routing: one pipeline stage's ranks
     if cells:
-        mem["routing arrays"] = 4.0 * cells * w * width
+        from sim.routing.counts import WIDE_LIMIT
+
+        wide = cells * w * e <= WIDE_LIMIT  # above it the plan keeps world x ep arrays only
+        mem["routing arrays"] = 4.0 * cells * w * (width if wide else 2 * ep + e // max(ep, 1) + sh.slots)
         pool = POOL_BYTES_PER_TOKEN_EXPERT * sh.pool_tokens * e
         route_temp = pool + ROUTE_TEMP_BYTES * sh.micro * w * width
-        summary_temp = SUMMARY_BYTES * cells * w * ep
+        summary_temp = SUMMARY_BYTES * cells * w * ep if wide else SUMMARY_BYTES * sh.micro * w * ep
         exact_work = cells * w * sh.tokens * e
         tim["routing"] = (
             EXACT_S_PER_ELEM * exact_work if exact_work <= (1 << 23) else ROUTE_S + ROUTE_S_PER_ELEM * cells * w * width
@@ -216,6 +226,7 @@ def estimate(s_or_shape, engine: str = "des", comm_model: str = "auto") -> Estim
     if engine == "route":
         transient = {"routing pools": route_temp, "routing statistics": summary_temp}
         return _finish(sh, engine, None, mem, tim, transient)
+    w = w_all
     cells_all = float(sh.layers * sh.micro)
     mem["schedule"] = SCHEDULE_BYTES * cells_all * w
     mem["cluster graph"] = GRAPH_BYTES_PER_GPU * w
@@ -307,10 +318,17 @@ def check_resources(
     force: bool = False,
     available_bytes: float | None = None,
     limit_s: float | None = None,
+    fidelity: str = "folded",
 ) -> Estimate:
     """Estimate the run; raise :class:`InputError` (exit 2) naming ``cluster.nodes`` with the estimate
     and what would fit when it exceeds ``MEMORY_FRACTION`` of the available memory or the time limit,
-    unless ``force``. Returns the estimate."""
+    unless ``force``. Returns the estimate. Scenarios the lane engine runs take its estimate
+    (:mod:`sim.studies.guard_lanes`)."""
+    if engine == "des":
+        from sim.engine.simulate import uses_lane_engine
+
+        if uses_lane_engine(scenario, fidelity, comm_model):
+            return _check_lanes(scenario, fidelity, force, available_bytes, limit_s)
     sh = shape_of(scenario)
     est = estimate(sh, engine, comm_model)
     avail = available_memory_bytes() if available_bytes is None else available_bytes
@@ -357,6 +375,25 @@ def check_resources(
         file=scenario.source,
         field="cluster.nodes",
     )
+
+
+def _check_lanes(scenario, fidelity: str, force: bool, available_bytes, limit_s) -> Estimate:
+    from sim.studies.guard_lanes import lane_costs, lane_shape
+
+    mem, tim = lane_costs(lane_shape(scenario, fidelity))
+    est = Estimate("des-lanes", "ps", scenario.world_size, sum(mem.values()), sum(tim.values()), mem, tim)
+    avail = available_memory_bytes() if available_bytes is None else available_bytes
+    limit = time_limit_s() if limit_s is None else limit_s
+    mem_cap = MEMORY_FRACTION * avail if avail is not None else math.inf
+    if force or (est.memory_bytes <= mem_cap and est.time_s <= limit):
+        return est
+    hint = "; --fidelity folded follows only the lanes that can set the pace" if fidelity == "full" else ""
+    raise InputError(
+        f"simulating {scenario.world_size:,} GPUs (lane engine, fidelity {fidelity}) needs an estimated "
+        f"{est.describe()}, but {fmt_bytes(avail or 0)} of memory is available here (limit {MEMORY_FRACTION:.0%}) "
+        f"and the time limit is {fmt_time(limit)} (MOESIM_TIME_LIMIT_S){hint}; or pass --force to run it anyway",
+        file=scenario.source, field="cluster.nodes",
+    )  # fmt: skip
 
 
 def _largest(sh: Shape, attr: str, ok) -> int | None:
