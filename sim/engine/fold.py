@@ -17,7 +17,8 @@ Results: the step ends at the last of the simulated lanes (the others' shifted e
 and reported, ``folded.unsimulated_margin_s``); per-rank means combine the lanes exactly where
 simulated, and for the others their estimate corrected by the random sample's mean difference
 between the passes (a control variate). With every lane selected this is the full simulation.
-``fidelity: full`` simulates every lane with the exact model.
+``fidelity: full`` simulates every lane with the exact model; ``estimate`` runs the estimate pass
+alone (every lane, all-to-alls by their link-load bound): a ranking for searches such as ``moesim plan``.
 """
 
 from __future__ import annotations
@@ -80,6 +81,9 @@ def select_lanes(est: LaneResult, s, total: int) -> np.ndarray:
 def run_folded(s, program, plan, cluster, pricer, fidelity: str, trace_ranks=None, jitter=None) -> Folded:
     total = s.layout.lanes
     everything = np.arange(total)
+    if fidelity == "estimate":  # the estimate pass alone: every lane, no processor-sharing all-to-alls
+        res = LaneEngine(s, program, plan, cluster, pricer, everything, exact=False, trace_ranks=trace_ranks).run()
+        return Folded(res, None, total, everything, -np.inf)
     if fidelity == "full" or total <= PACE_LANES + RANDOM_LANES:
         res = LaneEngine(s, program, plan, cluster, pricer, everything, exact=True, trace_ranks=trace_ranks,
                          jitter=jitter).run()  # fmt: skip

@@ -21,7 +21,7 @@ from sim.hardware.cluster import LINK_KINDS, Cluster
 from sim.hardware.costs import CostModel
 from sim.inputs.scenario import Scenario
 
-FIDELITIES = ("folded", "full")
+FIDELITIES = ("folded", "full", "estimate")
 
 
 def layout_core(s: Scenario, plan, cost: CostModel, cluster: Cluster, factor: np.ndarray, fidelity: str,

@@ -143,7 +143,7 @@ def uses_lane_engine(s: Scenario, fidelity: str, comm_model: str = "auto") -> bo
             raise InputError("the flow comm model runs DeepSpeed data + expert parallel layouts only (no tp, cp, "
                              "pp, etp, fp8, deepep/hybridep or a2a overlap); use ps or auto", field="--comm-model")  # fmt: skip
         return False
-    return not (fidelity == "full" and plain)
+    return not (fidelity == "full" and plain) or fidelity == "estimate"
 
 
 def _finish(s, out, spans, trace_ranks, healthy, plan, engine, comm_model, policy, draw, fidelity):
