@@ -154,7 +154,9 @@ def test_zero_stage_changes_memory_as_the_accounting_says():
         s = multi_node(2, f"parallelism.zero_stage={stage}")
         r = simulate(s)
         acc = memory_per_gpu(s).as_dict()
-        assert r["memory"] == acc
+        assert {k: v for k, v in r["memory"].items() if k != "per_stage"} == acc
+        assert r["memory"]["per_stage"] == [{"stage": 0, "peak_GiB_per_gpu": acc["peak_GiB_per_gpu"],
+                                             "fits": acc["fits"], "in_flight_micro_batches": 1.0}]  # fmt: skip
         if prev is not None:
             assert r["memory"]["peak_GiB_per_gpu"] < prev
         prev = r["memory"]["peak_GiB_per_gpu"]

@@ -124,7 +124,7 @@ class KernelBlocks:
             c = np.repeat(plan.padded[moe, micro].astype(np.float64), self.s.ep)
             f, b = self._dispatcher("encode" if name == "permute" else "decode", T, m.num_experts * c)
             return f, b, np.zeros(self.world)
-        copies = plan.kept[moe, micro].sum(axis=1).astype(np.float64)  # token copies this rank sends
+        copies = plan.pair_copies(moe, micro).sum(axis=1).astype(np.float64)  # token copies this rank sends
         gathered = self.cost.dispatcher_time(2 * copies * d * bpe, 1)  # permute: gather; unpermute: weighted scatter
         return gathered, gathered, np.zeros(self.world)
 
