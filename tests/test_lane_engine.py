@@ -53,7 +53,7 @@ def test_every_lane_simulated_equals_the_per_rank_engine(p):
     ["parallelism.zero_stage=3"], ["faults.links=[{nic: {node: 5, rail: 2}, bw_factor: 0.5}]"],
 ])  # fmt: skip
 def test_folded_within_one_percent_of_full(extra):
-    s = load_scenario(BIG, ["cluster.nodes=32", "model.num_layers=6", "training.grad_accum_steps=2", *extra])
+    s = load_scenario(BIG, ["cluster.nodes=64", "model.num_layers=4", "training.grad_accum_steps=2", *extra])
     full = simulate(s, fidelity="full", healthy=False)
     folded = simulate(s, healthy=False)
     assert folded["simulator"]["folded"]["lanes_simulated"] < folded["simulator"]["folded"]["lanes_total"]
@@ -63,7 +63,7 @@ def test_folded_within_one_percent_of_full(extra):
 
 
 def test_folding_follows_the_straggler():
-    s = load_scenario(BIG, ["cluster.nodes=32", "model.num_layers=4", "training.grad_accum_steps=2",
+    s = load_scenario(BIG, ["cluster.nodes=64", "model.num_layers=4", "training.grad_accum_steps=2",
                             "faults.stragglers=[{rank: 101, compute_factor: 2}]"])  # fmt: skip
     r, full = simulate(s, healthy=False), simulate(s, healthy=False, fidelity="full")
     assert r["simulator"]["folded"]["lanes_simulated"] < r["simulator"]["folded"]["lanes_total"]
@@ -74,7 +74,7 @@ def test_folding_follows_the_straggler():
 
 def test_identical_lanes_fold_to_their_estimate_and_agree():
     """Balanced routing: every lane does the same work, the folded run equals the full one."""
-    s = load_scenario(BIG, ["cluster.nodes=32", "model.num_layers=4", "training.grad_accum_steps=2",
+    s = load_scenario(BIG, ["cluster.nodes=64", "model.num_layers=4", "training.grad_accum_steps=2",
                             "routing.generator=balanced"])  # fmt: skip
     full, folded = simulate(s, fidelity="full"), simulate(s)
     assert folded["step_time_s"] == pytest.approx(full["step_time_s"], rel=1e-9)
@@ -102,7 +102,7 @@ def test_lane_spans_tile_every_simulated_rank():
 
 
 def test_results_are_deterministic():
-    s = load_scenario(BIG, ["cluster.nodes=32", "model.num_layers=4", "training.grad_accum_steps=2"])
+    s = load_scenario(BIG, ["cluster.nodes=64", "model.num_layers=4", "training.grad_accum_steps=2"])
     a, b = simulate(s), simulate(s)
     assert a["step_time_s"] == b["step_time_s"] and a["breakdown_s"] == b["breakdown_s"]
     assert np.isfinite(a["step_time_s"])

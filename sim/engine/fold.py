@@ -31,7 +31,7 @@ from sim.engine.lanes import KEYS, LaneEngine, LaneResult
 
 #: Lanes followed by the DES: the slowest by the estimate, and a random sample of the rest.
 PACE_LANES = 4
-RANDOM_LANES = 8
+RANDOM_LANES = 12
 
 
 class VirtualLanes:
