@@ -24,6 +24,7 @@ from sim.engine.a2a_timing import A2ATiming
 from sim.engine.simulate import _cluster
 from sim.frameworks.program import EPAllToAll
 from sim.routing.plan import route_scenario
+from sim.studies.published_row import Row
 
 
 def _scenario(sc: dict[str, Any], point: dict[str, Any], entry) -> Any:
@@ -81,8 +82,6 @@ def dispatcher_bandwidth(sc: dict[str, Any], point: dict[str, Any], entry) -> di
 
 
 def a2a_rows(entry) -> list:
-    from sim.studies.published import Row
-
     sc, m = entry["scenario"], entry["measured"]
     rows = []
     if sc.get("collective") == "all_to_all" or "nccl" in str(sc.get("kernel", "")):
@@ -90,7 +89,9 @@ def a2a_rows(entry) -> list:
         from sim.inputs.topology import load_topology
         from sim.network.nccl_tests import measure
 
-        cluster = build_cluster(load_topology(sc["topology"]), int(sc.get("nodes", 1)), sc.get("gpus_per_node"))
+        cluster = build_cluster(
+            load_topology(sc["topology"]), int(sc.get("nodes", 1)), sc.get("gpus_per_node")
+        )
         for pt in m["points"]:
             got = measure(cluster, "all_to_all", "direct", [int(pt.get("bytes", sc.get("bytes")))])[0]
             rows.append(Row(entry["id"], "a2a", entry["title"], f"busbw_GBps@{got['bytes']}", float(pt["busbw_GBps"]),
@@ -102,7 +103,9 @@ def a2a_rows(entry) -> list:
     points = m.get("points") or [dict(m)]
     sc_points = sc.get("points") or [{}] * len(points)
     for pt, spt in zip(points, sc_points, strict=False):
-        bw = dispatcher_bandwidth(sc, {**spt, **{k: pt[k] for k in ("ep", "nodes", "ranks") if k in pt}}, entry)
+        bw = dispatcher_bandwidth(
+            sc, {**spt, **{k: pt[k] for k in ("ep", "nodes", "ranks") if k in pt}}, entry
+        )
         tag = f"@ep{pt.get('ep', pt.get('ranks', ''))}"
         if "kernel" in pt or "sms" in pt:
             tag += f" {pt.get('kernel', '')} {pt.get('sms', '')} SMs".rstrip()

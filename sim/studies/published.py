@@ -18,7 +18,6 @@ One hardware description per GPU kind serves every entry; nothing here is tuned 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,27 +26,9 @@ import yaml
 
 from sim.api import scenario_from_dict
 from sim.errors import InputError
+from sim.studies.published_row import TARGET, Row
 
 FOLDER = Path(__file__).resolve().parents[2] / "validation" / "published"
-#: |error| targets per kind (issue 26): training and layer rows 10%, all-to-all rows 15%
-TARGET = {"training": 0.10, "layer": 0.10, "a2a": 0.15}
-
-
-@dataclass
-class Row:
-    id: str
-    kind: str
-    title: str
-    metric: str
-    measured: float
-    predicted: float | None
-    error: float | None  # predicted / measured - 1
-    note: str = ""
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def within(self) -> bool | None:
-        return None if self.error is None else abs(self.error) <= TARGET[self.kind]
 
 
 def entries(folder: Path = FOLDER) -> list[dict[str, Any]]:
@@ -83,7 +64,9 @@ def _training(entry) -> list[Row]:
     meas = measured_step_s(entry)
     pred = r["step_time_s"]
     extra = {"breakdown_s": r["breakdown_s"], "memory_fits": r["memory"]["fits"]}
-    return [Row(entry["id"], "training", entry["title"], "step_time_s", meas, pred, pred / meas - 1, extra=extra)]
+    return [
+        Row(entry["id"], "training", entry["title"], "step_time_s", meas, pred, pred / meas - 1, extra=extra)
+    ]
 
 
 def _layer(entry) -> list[Row]:
@@ -110,11 +93,24 @@ def predict(entry: dict[str, Any]) -> list[Row]:
     kind = entry["kind"]
     fn = {"training": _training, "layer": _layer, "a2a": _a2a}.get(kind)
     if fn is None:
-        raise InputError(f"unknown kind {kind!r}; one of training, layer, a2a", file=str(entry["_path"]), field="kind")
+        raise InputError(
+            f"unknown kind {kind!r}; one of training, layer, a2a", file=str(entry["_path"]), field="kind"
+        )
     try:
         return fn(entry)
     except InputError as exc:  # a mechanism the simulator lacks: report it, keep going
-        return [Row(entry["id"], kind, entry.get("title", ""), "-", float("nan"), None, None, note=f"not simulated: {exc}")]
+        return [
+            Row(
+                entry["id"],
+                kind,
+                entry.get("title", ""),
+                "-",
+                float("nan"),
+                None,
+                None,
+                note=f"not simulated: {exc}",
+            )
+        ]
 
 
 def summary(rows: list[Row]) -> dict[str, Any]:
@@ -140,4 +136,14 @@ def as_json(rows: list[Row]) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-__all__ = ["FOLDER", "TARGET", "Row", "as_json", "entries", "measured_step_s", "predict", "scenario_of", "summary"]
+__all__ = [
+    "FOLDER",
+    "TARGET",
+    "Row",
+    "as_json",
+    "entries",
+    "measured_step_s",
+    "predict",
+    "scenario_of",
+    "summary",
+]
