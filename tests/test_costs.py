@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from conftest import ROOT
 
-from sim.hardware import costs
+from sim.hardware import gemm_fit
 from sim.hardware.costs import (
     GENERIC_CURVE,
     CostModel,
@@ -65,7 +65,7 @@ def summary_table(gpus) -> str:
                 continue
             frac, mh, nh, kh, p = gpu_curve_params(gpu, dtype)
             own = np.array([r["log_ratio"] for r in report if r["dtype"] == dtype])
-            fitted = len(costs.fit_points(gpu, dtype))
+            fitted = len(gemm_fit.fit_points(gpu, dtype))
             rms = f"{math.sqrt(float(np.mean(own**2))):.3f}" if len(own) else "-"
             worst = f"{float(np.abs(own).max()):.3f}" if len(own) else "-"
             lines.append(
@@ -98,11 +98,11 @@ def test_residuals_are_the_ones_documented(gpus):
 def test_fit_is_deterministic_and_order_free(gpus):
     for gpu in gpus.values():
         for dtype in {p.dtype for p in gpu.gemm_points}:
-            costs._FITTED.clear()
+            gemm_fit._FITTED.clear()
             first = gpu_curve_params(gpu, dtype)
-            costs._FITTED.clear()
+            gemm_fit._FITTED.clear()
             assert gpu_curve_params(gpu, dtype) == first
-            costs._FITTED.clear()
+            gemm_fit._FITTED.clear()
             reordered = gpu.model_copy(update={"gemm_points": list(reversed(gpu.gemm_points))})
             assert gpu_curve_params(reordered, dtype) == first
 
@@ -133,8 +133,8 @@ def test_kinds_without_points_borrow_as_their_files_say(gpus):
     assert gpu_curve_params(h100, "fp16") == gpu_curve_params(h100, "bf16")
     assert gpu_curve_params(gpus["gb200"], "mxfp8") == gpu_curve_params(gpus["b200-sxm"], "mxfp8")
     # H200 FP8: H100's points and its own; they see the GPU each ran on
-    assert len(costs.fit_points(h200, "fp8")) == 1 + len(costs.fit_points(h100, "fp8"))
-    assert {f.hbm_Bps for f in costs.fit_points(h200, "fp8")} == {4320e9, 3015e9}
+    assert len(gemm_fit.fit_points(h200, "fp8")) == 1 + len(gemm_fit.fit_points(h100, "fp8"))
+    assert {f.hbm_Bps for f in gemm_fit.fit_points(h200, "fp8")} == {4320e9, 3015e9}
 
 
 def test_cpu_ranks_and_inline_specs_keep_the_generic_constants():
