@@ -274,11 +274,15 @@ class LaneEngine:
                 if op.every_micro or micro == last:
                     self.streams.grads(r, op, t)
             elif isinstance(op, ParamGather):
-                if not op.first_micro_only or micro == self._first_micro(r, chunk.chunk):
+                if op.at_step_start:  # issued when the stage's process started
+                    continue
+                if not op.first_micro_only:
                     self.streams.gather(r, (op.key, micro), op.nonexpert, op.expert, t)
+                elif micro == self._first_micro(r, chunk.chunk):  # once per step: keyed by -1
+                    self.streams.gather(r, (op.key, -1), op.nonexpert, op.expert, t)
             elif isinstance(op, WaitParams):
                 if not op.first_micro_only or micro == self._first_micro(r, chunk.chunk):
-                    done = self.streams.gathered(r, (op.key, micro))
+                    done = self.streams.gathered(r, (op.key, -1 if op.first_micro_only else micro))
                     wait = np.maximum(done - t, 0.0)
                     self.key["exposed_comm"][r] += wait
                     self._span(r, "param_gather_wait", t, t + wait)
@@ -344,6 +348,10 @@ class LaneEngine:
         t = np.zeros(self.n)
         seq = st.instructions
         overlap = self.s.collectives.a2a_overlap
+        for chunk in st.chunks:  # gathers the step starts with, before any input arrives
+            for op in chunk.fwd:
+                if isinstance(op, ParamGather) and op.at_step_start:
+                    self.streams.gather(r, (op.key, -1), op.nonexpert, op.expert, t)
         for idx, ins in enumerate(seq):
             chunk = st.chunks[ins.chunk]
             if overlap and ins.kind == "F" and idx + 1 < len(seq) and seq[idx + 1].kind == "B" and (

@@ -135,7 +135,7 @@ def uses_lane_engine(s: Scenario, fidelity: str, comm_model: str = "auto") -> bo
         return False
     plain = (p.tp == p.cp == p.pp == p.etp == 1 and s.training.framework == "deepspeed"
              and s.training.dtype not in ("fp8", "mxfp8") and s.collectives.all_to_all in ("direct", "hierarchical")
-             and not s.collectives.a2a_overlap)  # fmt: skip
+             and not s.collectives.a2a_overlap and s.training.recompute_num_layers is None)  # fmt: skip
     if comm_model == "flow":
         if not plain:
             from sim.errors import InputError

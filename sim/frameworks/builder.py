@@ -150,6 +150,27 @@ def _params(s: Scenario) -> tuple[dict[int, tuple[int, int]], int, int]:
     return out, emb, head
 
 
+def layer_recompute(s: Scenario, position: int, recompute: str) -> str:
+    """What the backward of the chunk's ``position``-th layer recomputes: Megatron's block method checkpoints
+    only the first ``recompute_num_layers`` layers of each chunk under full recompute."""
+    n = s.training.recompute_num_layers
+    return "none" if recompute == "full" and n is not None and position >= n else recompute
+
+
+def _step_units(vs: VirtualStage, params, outer: int) -> list[tuple[str, int, int]]:
+    """(key, nonexpert, expert) of the buckets Megatron's overlapped param gather brings in for chunk
+    ``vs``: one per layer in forward order, the first with the chunk's embedding / head (``outer``)."""
+    units = [(f"s{vs.index}.{i}", *params[i]) for i in vs.layers] or [(f"s{vs.index}", 0, 0)]
+    key, ne, ex = units[0]
+    return [(key, ne + outer, ex)] + units[1:]
+
+
+def _next_gather(units, j: int) -> list:
+    """Megatron's distributed optimizer with ``overlap_param_gather`` gathers a chunk's buckets one after
+    another: the forward pre-hook that waits on one dispatches the next (``next_param_gather_bucket_group``)."""
+    return [ParamGather(*units[j + 1], first_micro_only=True)] if j + 1 < len(units) else []
+
+
 def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, emb: int, head: int) -> Chunk:
     recompute = s.training.activation_checkpointing
     every = pol.grads_every_micro
@@ -158,14 +179,21 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
     ne_total = sum(params[i][0] for i in vs.layers) + (emb if vs.embedding else 0) + (head if vs.head else 0)
     ex_total = sum(params[i][1] for i in vs.layers)
     outer_f = (emb if vs.embedding else 0) + (head if vs.head else 0)  # gathered with the first layer
+    units = _step_units(vs, params, outer_f)
     if pol.step_gather:
-        fwd.append(ParamGather(f"step{vs.index}", ne_total, ex_total, first_micro_only=True))
-        fwd.append(WaitParams(f"step{vs.index}", first_micro_only=True))
+        # every chunk's first bucket is dispatched when the step starts (align_param_gather, which
+        # Megatron-Bridge sets with pipeline parallelism; without pipelining the step starts with it anyway)
+        fwd.append(ParamGather(*units[0], first_micro_only=True, at_step_start=True))
+        fwd += _next_gather(units, 0)
+        fwd.append(WaitParams(units[0][0], first_micro_only=True))
     if pol.layer_gathers and vs.layers:
         fwd.append(ParamGather(f"f{vs.layers[0]}", params[vs.layers[0]][0] + outer_f, params[vs.layers[0]][1]))
     if vs.embedding:
         fwd.append(Kernels([Kernel("embedding", -1)], -1))
     for j, i in enumerate(vs.layers):
+        if pol.step_gather and j > 0:
+            fwd += _next_gather(units, j)
+            fwd.append(WaitParams(units[j][0], first_micro_only=True))
         if pol.layer_gathers:
             if j + 1 < len(vs.layers):
                 fwd.append(ParamGather(f"f{vs.layers[j + 1]}", *params[vs.layers[j + 1]]))
@@ -185,7 +213,7 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
             if j + 1 < len(rev):
                 bwd.append(ParamGather(f"b{rev[j + 1]}", *params[rev[j + 1]]))
             bwd.append(WaitParams(f"b{i}"))
-        bwd += layers.backward(i, recompute)
+        bwd += layers.backward(i, layer_recompute(s, vs.layers.index(i), recompute))
         bwd.append(Grads(i, *params[i], every))
     if vs.embedding:
         bwd.append(Kernels([Kernel("embedding", -1)], -1))

@@ -81,6 +81,7 @@ class ParamGather:
     nonexpert: int
     expert: int
     first_micro_only: bool = False  # gathered once per step (Megatron's overlapped param gather)
+    at_step_start: bool = False  # issued when the step starts (optimizer.zero_grad), not when reached
 
 
 @dataclass(frozen=True)

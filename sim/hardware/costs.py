@@ -69,7 +69,7 @@ DEFAULT_OPTIMIZER_BYTES_PER_PARAM = 32.0
 def gemm_fit_report(gpu: GpuSpec) -> list[dict]:
     """Every GEMM point of ``gpu`` beside the default cost model's figure for it (no calibration):
     ``model_TFLOPs`` = 2MNK / :meth:`CostModel.gemm_time`, ``log_ratio`` = log(model time / measured)."""
-    cost = CostModel(gpu)
+    cost = CostModel(gpu, burst=True)
     out = []
     for p in gpu.gemm_points:
         t = cost.gemm_time(p.M, p.N, p.K, p.dtype)
@@ -84,6 +84,9 @@ class CostModel:
 
     gpu: GpuSpec
     calibration: Calibration | None = None
+    #: price kernels as isolated microbenchmarks ran them (the GEMM points' and attention figure's own
+    #: conditions), without the GPU's ``sustained_compute_fraction``: for comparing with such measurements
+    burst: bool = False
 
     # ---- parameters -------------------------------------------------------------------------
     @cached_property
@@ -101,9 +104,16 @@ class CostModel:
                 curve = GemmCurve(fit.peak_TFLOPs * 1e12, fit.m_half, fit.nk_half, fit.nk_half)
             else:
                 frac, mh, nh, kh, p = gpu_curve_params(self.gpu, dtype)
-                curve = GemmCurve(self.gpu.peak_flops(dtype) * frac, mh, nh, kh, p)
+                curve = GemmCurve(self.gpu.peak_flops(dtype) * frac * self.sustained, mh, nh, kh, p)
             self._curves[dtype] = curve
         return curve
+
+    @property
+    def sustained(self) -> float:
+        """Share of the microbenchmark GEMM/attention rates kept in a training step: the GPU's
+        ``sustained_compute_fraction`` (1 with ``burst``; a calibration's measured curve and
+        ``compute_scale`` replace it)."""
+        return 1.0 if self.burst else self.gpu.sustained_compute_fraction
 
     @property
     def launch_s(self) -> float:
@@ -166,7 +176,8 @@ class CostModel:
             return self.gemm_curve(dtype).peak_flops * self.attention_efficiency
         w = ATTENTION_BWD_FLOPS
         combined = (1.0 + w) / (1.0 / fig.fwd_TFLOPs + w / fig.bwd_TFLOPs) * 1e12
-        return combined * self.gpu.peak_flops(ATTENTION_DTYPE.get(dtype, dtype)) / self.gpu.peak_flops("bf16")
+        scale = self.gpu.peak_flops(ATTENTION_DTYPE.get(dtype, dtype)) / self.gpu.peak_flops("bf16")
+        return combined * scale * self.sustained
 
     @property
     def optimizer_bytes_per_param(self) -> float:

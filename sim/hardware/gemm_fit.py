@@ -157,7 +157,7 @@ _FITTED: dict[tuple[str, str], Params] = {}
 def gpu_curve_params(gpu: GpuSpec, dtype: str) -> Params:
     """(frac, m_half, n_half, k_half, m_sharpness) of ``gpu`` for ``dtype``: fitted to :func:`fit_points` on the
     prior (see the module docstring); the prior itself where there are none. Cached per description."""
-    key = (gpu.model_dump_json(), dtype)
+    key = (gpu.model_dump_json(exclude={"sustained_compute_fraction"}), dtype)  # the fit ignores it
     hit = _FITTED.get(key)
     if hit is None:
         points, prior = fit_points(gpu, dtype), _prior_params(gpu, dtype)

@@ -334,6 +334,13 @@ class TrainingConfig(StrictModel):
         description="recompute in backward: full (each layer's forward), selective (norms and expert "
         "activations, Megatron's recompute_modules layernorm + moe_act) or none; true/false = full/none",
     )
+    recompute_num_layers: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="with full checkpointing, recompute only the first N layers of each pipeline chunk "
+        "(Megatron recompute_method=block, recompute_num_layers); unset: every layer",
+    )
     reshard_after_forward: bool = Field(
         default=True, description="fsdp2: free gathered parameters after forward, gather again for backward"
     )
@@ -350,6 +357,16 @@ class TrainingConfig(StrictModel):
     @classmethod
     def _recompute_bool(cls, v: Any) -> Any:
         return {True: "full", False: "none"}.get(v, v) if isinstance(v, bool) else v
+
+    @model_validator(mode="after")
+    def _recompute_layers_need_full(self) -> TrainingConfig:
+        if self.recompute_num_layers is not None and self.activation_checkpointing != "full":
+            raise field_error(
+                "recompute_num_layers",
+                "recompute_num_layers needs activation_checkpointing: full "
+                f"(it is {self.activation_checkpointing!r})",
+            )
+        return self
 
     @property
     def recompute(self) -> bool:

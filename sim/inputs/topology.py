@@ -88,6 +88,14 @@ class GpuSpec(StrictModel):
         default=None, gt=0, le=1, description="achieved fraction of hbm_bw_GBps by streaming kernels"
     )
     attention: AttentionFigure | None = Field(default=None, description="measured fused-attention throughput")
+    sustained_compute_fraction: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="share of the isolated-microbenchmark GEMM and attention rates (gemm_points, attention) "
+        "that kernels keep inside a training step, where the GPU runs at its power limit without pause; "
+        "fitted to dense training runs (benchmarks/fit_sustained.py)",
+    )
     gemm_points: list[GemmPoint] = Field(default=[], description="published GEMM measurements to fit")
     gemm_points_from: dict[Dtype, str | GpuSpec] = Field(
         default={},

@@ -87,6 +87,15 @@ def _states(s: Scenario, ne: int, ex: int) -> tuple[int, int, int, int]:
     return a[0] + b[0], a[1] + b[1], a[2] + b[2], a[3] + b[3]
 
 
+def _checkpointed(s: Scenario, rank: int, layers: list[int]) -> set[int]:
+    """The layers whose backward recomputes their forward (all under full checkpointing, or the first
+    ``recompute_num_layers`` of each of the rank's chunks)."""
+    n = s.training.recompute_num_layers
+    if n is None:
+        return set(layers)
+    return {i for vs in rank_chunks(s)[rank] for i in vs.layers[:n]}
+
+
 def _activations(s: Scenario, layers: list[int], rank: int, head: bool) -> int:
     m, t, p = s.model, s.training, s.parallelism
     act = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
@@ -99,8 +108,10 @@ def _activations(s: Scenario, layers: list[int], rank: int, head: bool) -> int:
     if not per:
         return logits
     if t.activation_checkpointing == "full":
-        one = len(per) * tokens * m.hidden_size * act
-        return int(one * in_flight(s, rank)) + max(per) + logits
+        ck = _checkpointed(s, rank, layers)
+        kept = [a for i, a in zip(layers, per, strict=True) if i not in ck]
+        one = len(ck) * tokens * m.hidden_size * act + sum(kept)
+        return int(one * in_flight(s, rank)) + (max(per) if ck else 0) + logits
     if t.activation_checkpointing == "selective":  # norms' outputs and expert activations recomputed
         width = m.moe_ffn_hidden_size or m.hidden_size
         saved = [2 * tokens * m.hidden_size * act + (rows * width * act if layer_params(m, i).num_experts else 0)

@@ -1,0 +1,62 @@
+"""Dense Llama 3 configs of validation/published/models (the dense calibration rows) against their
+published parameter counts, and Megatron's block recompute (recompute_num_layers) against the closed form."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import ROOT
+
+from sim.api import load_scenario
+from sim.engine.simulate import simulate
+from sim.inputs.hfconfig import model_fields_from_hf
+from sim.inputs.sections import ModelConfig
+from sim.model.params import count_params
+from sim.model.stage_memory import memory_per_stage
+
+MODELS = ROOT / "validation" / "published" / "models"
+ROW = ROOT / "validation" / "published" / "dense" / "DENSE-H100-8B.yaml"
+
+
+@pytest.mark.parametrize("name,params", [("Llama-3-8B", 8_030_261_248), ("Llama-3-70B", 70_553_706_496),
+                                         ("Llama-3.1-405B", 405_853_388_800)])  # fmt: skip
+def test_published_parameter_counts(name, params):
+    m = ModelConfig(**model_fields_from_hf(str(MODELS / name / "config.json")))
+    c = count_params(m)
+    assert c.total == c.active == params and c.expert == 0
+
+
+def _scenario(tmp_path, recompute: str, layers: int | None):
+    import yaml
+
+    doc = yaml.safe_load(ROW.read_text())["scenario"]
+    doc["model"]["hf_config"] = str(MODELS / "Llama-3-8B" / "config.json")
+    doc["training"]["activation_checkpointing"] = recompute
+    doc["training"].pop("recompute_num_layers", None)
+    if layers is not None:
+        doc["training"]["recompute_num_layers"] = layers
+    doc["training"]["grad_accum_steps"] = 2
+    doc["training"].pop("global_batch_size", None)
+    path = tmp_path / f"s-{recompute}-{layers}.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return load_scenario(path)
+
+
+def test_block_recompute_adds_the_forward_of_n_layers(tmp_path):
+    none, full = (simulate(_scenario(tmp_path, r, None))["step_time_s"] for r in ("none", "full"))
+    five = simulate(_scenario(tmp_path, "full", 5))["step_time_s"]
+    # 32 identical layers: recomputing 5 of them adds 5/32 of what recomputing all 32 adds
+    assert five - none == pytest.approx((full - none) * 5 / 32, rel=0.02)
+    mem = [memory_per_stage(_scenario(tmp_path, r, n))[0].activations
+           for r, n in (("none", None), ("full", 5), ("full", None))]  # fmt: skip
+    assert mem[0] > mem[1] > mem[2]
+
+
+def test_recompute_num_layers_needs_full_checkpointing(tmp_path, capsys):
+    from sim.cli.main import main
+
+    bad = _scenario(tmp_path, "full", 5)
+    path = tmp_path / "s-full-5.yaml"
+    assert bad is not None
+    code = main(["simulate", str(path), "--set", "training.activation_checkpointing=selective"])
+    assert code == 2
+    assert "training.recompute_num_layers" in capsys.readouterr().err
