@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "compare": ("compare", "routing policies side by side on the same gate scores"),
     "collective": ("collective", "one collective on a topology, nccl-tests style"),
     "sweep": ("sweep", "many scenarios (cartesian product of --vary), locally or on Ray"),
+    "plan": ("plan", "the best layouts of a model on N GPUs, searched with the simulator"),
     "topo": ("topo", "summary and drawing of a topology's cluster graph"),
     "calibrate": ("calibrate", "microbenchmarks on this hardware -> calibration JSON"),
     "validate": ("validate", "run the real DeepSpeed job and compare it with the simulator"),
