@@ -8,15 +8,20 @@
 #      first installs what the job needs (deepspeed, simpy, pydantic, hjson, networkx, pyyaml, scipy,
 #      tqdm, ...) from DIR only (pip --no-index), keeping the machine's torch (pinned by a constraint).
 #      moesim itself is used from this checkout (PYTHONPATH), not installed.
-#   1. moesim calibrate --backend nccl --nproc N over the GPU scenarios' shapes -> OUTDIR/calibration.json
-#   2. moesim validate for each scenarios/accuracy/gpu/*.yaml on N GPUs (N = 1: ep 1, every expert
+#   1. python -m hw_validate.gpu_kernels on one GPU: the published layer rows' expert GEMMs (dense,
+#      grouped, FP8, burst and sustained, randn and zeros, SM clock and power sampled) and attention,
+#      each beside moesim's cost model -> OUTDIR/gpu_kernels/gpu_kernels.{json,md}
+#   2. moesim calibrate --backend nccl --nproc N over the GPU scenarios' shapes -> OUTDIR/calibration.json
+#   3. moesim validate for each scenarios/accuracy/gpu/*.yaml on N GPUs (N = 1: ep 1, every expert
 #      local; N > 1: --set cluster.gpus_per_node=N --set parallelism.ep=N) -> OUTDIR/<scenario>/
 #      (measurement.json, router_trace.json, logs/, validation.json, table.txt)
-#   3. python benchmarks/bench_accuracy.py --collect OUTDIR -> OUTDIR/accuracy/<name>.{json,md}
+#   4. python benchmarks/bench_accuracy.py --collect OUTDIR -> OUTDIR/accuracy/<name>.{json,md}
 # Every step has a timeout; a failed step is logged to OUTDIR/status.txt and the script goes on, so
-# whatever finished is in OUTDIR. Budget: under 10 minutes on one H200 (the GPU scenarios train in
-# seconds; most of the time is process start-up and NCCL/DeepSpeed init).
-# --dry-run prints the commands (and checks the scenarios load) without touching a GPU.
+# whatever finished is in OUTDIR. Budget: under 15 minutes on one H200 (the kernel probe about one,
+# five at most; the GPU scenarios train in seconds; most of the rest is process start-up and
+# NCCL/DeepSpeed init).
+# --dry-run prints the commands (and checks the scenarios load and the kernel probe plans) without
+# touching a GPU.
 # Multi-node: run `deepspeed --hostfile H --num_nodes M hw_validate/train_moe.py --scenario S` on
 # the cluster (moesim's launcher runs one node); the measurement it writes is what validate reads.
 set -euo pipefail
@@ -132,7 +137,17 @@ for s in "${SCENARIOS[@]}"; do
 done
 rm -f "$OUTDIR/check.err"
 
-# ---- 1. calibration -------------------------------------------------------------------------------
+# ---- 1. kernel probe: one GPU's expert and attention kernels beside moesim's cost model --------------
+run 300 gpu_kernels "$PY" -m hw_validate.gpu_kernels --out "$OUTDIR/gpu_kernels" $QUICK
+if [ "$DRY" = 1 ]; then  # the probe's plan needs no GPU: check that it loads, keep it
+  if "$PY" -m hw_validate.gpu_kernels --dry-run --out "$OUTDIR/gpu_kernels" > "$OUTDIR/gpu_kernels-plan.txt" 2>&1; then
+    log "dry-run: kernel probe plan in $OUTDIR/gpu_kernels/gpu_kernels.md"
+  else
+    log "kernel probe plan FAILED (see $OUTDIR/gpu_kernels-plan.txt)"
+  fi
+fi
+
+# ---- 2. calibration -------------------------------------------------------------------------------
 CAL="$OUTDIR/calibration.json"
 CAL_ARGS=()
 for s in "${SCENARIOS[@]}"; do CAL_ARGS+=(--scenario "$s"); done
@@ -142,7 +157,7 @@ if [ "$DRY" = 0 ] && [ ! -f "$CAL" ]; then
   log "calibration failed: validating without one (each validate runs a quick calibration first)"
 fi
 
-# ---- 2. validate every GPU scenario ---------------------------------------------------------------
+# ---- 3. validate every GPU scenario ---------------------------------------------------------------
 for s in "${SCENARIOS[@]}"; do
   name="$(basename "$s" .yaml)"
   CAL_OPT=()
@@ -153,7 +168,7 @@ for s in "${SCENARIOS[@]}"; do
   if [ -f "$OUTDIR/validate-$name.log" ]; then cp "$OUTDIR/validate-$name.log" "$OUTDIR/$name/table.txt" 2>/dev/null || true; fi
 done
 
-# ---- 3. the record --------------------------------------------------------------------------------
+# ---- 4. the record --------------------------------------------------------------------------------
 run 60 record "$PY" "$ROOT/benchmarks/bench_accuracy.py" --collect "$OUTDIR" --kind gpu \
   --name "gpu-${NGPUS}x-$(hostname -s 2>/dev/null || echo host)" --out "$OUTDIR/accuracy"
 log "done in $(($(date +%s) - T0)) s; results in $OUTDIR (status.txt lists every step)"

@@ -180,5 +180,12 @@ def test_gpu_check_dry_run_prints_the_session(tmp_path):
         line = next(x for x in status.splitlines() if "validate" in x and s.name in x)
         assert "parallelism.ep=8" in line and "--nproc 8" in line and "calibration.json" in line
     assert "bench_accuracy.py --collect" in status
+    # the kernel probe runs first, on one GPU; its plan (no GPU needed) is checked and kept by the dry run
+    lines = status.splitlines()
+    probe = next(i for i, x in enumerate(lines) if "hw_validate.gpu_kernels --out" in x)
+    assert probe < next(i for i, x in enumerate(lines) if "calibrate --backend nccl" in x)
+    assert "kernel probe plan in" in status and "FAILED" not in status
+    plan = json.loads((tmp_path / "out" / "gpu_kernels" / "gpu_kernels.json").read_text())
+    assert plan["dry_run"] and plan["rows"]
     bad = subprocess.run(["bash", str(script), str(tmp_path / "o2"), "--ngpus", "x"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--ngpus must be a number" in bad.stderr
