@@ -23,7 +23,9 @@ ran with ``record_shapes=True``; on GPUs each device ``kernel`` names the CPU op
   else from autograd: forward until the first ``autograd::engine::evaluate_function``, backward
   until the last one ends, the optimizer after;
 - **idle gaps** between consecutive ops (kernels on one stream on a GPU, top-level ops of the main
-  thread on CPU ranks).
+  thread on CPU ranks);
+- **the profiler's own cost** a step, where the job measured it (``hw_validate`` jobs write it at the
+  top level, ``moesim.profiler_cost_per_step_s``: their profiled steps' timer against the others').
 
 Bad input is an :class:`~sim.errors.InputError` naming the file and what is missing (exit 2).
 """
@@ -105,6 +107,7 @@ class Step:
     end_s: float
     windows: dict[str, tuple[float, float]] = field(default_factory=dict)  # forward, backward, optimizer
     annotated: bool = False  # the windows came from record_function ranges, not from autograd
+    events: dict[str, int] = field(default_factory=dict)  # CPU ops recorded in each window and in the step
 
 
 @dataclass
@@ -121,6 +124,7 @@ class RankTrace:
     calls: list[Call] = field(default_factory=list)
     steps: list[Step] = field(default_factory=list)
     gaps_s: list[float] = field(default_factory=list)  # short idle gaps between consecutive ops
+    profiler_cost_s: float = 0.0  # what recording cost a step (hw_validate jobs measure it; else 0)
     counts: dict[str, int] = field(default_factory=dict)  # events seen per class (for the report)
 
 
@@ -283,6 +287,7 @@ def read_trace(path: str | Path) -> RankTrace:
         raise InputError("the trace has GEMM ops but no input shapes: record it with "
                          "torch.profiler.profile(record_shapes=True)", file=str(path), field="--from-profile")  # fmt: skip
     tr.steps = _steps(xs)
+    tr.profiler_cost_s = float((top.get("moesim") or {}).get("profiler_cost_per_step_s") or 0.0)
     tr.calls = _calls(xs, ops, kernels, by_ext, tr.world, tr.steps)
     tr.gaps_s = _gaps(ops, kernels)
     return tr
@@ -314,6 +319,8 @@ def _steps(xs: list[dict]) -> list[Step]:
                 b0, b1 = bw[0]["ts"], max(e["ts"] + e["dur"] for e in bw)
                 st.windows = {"forward": (a * 1e-6, b0 * 1e-6), "backward": (b0 * 1e-6, b1 * 1e-6),
                               "optimizer": (b1 * 1e-6, b * 1e-6)}  # fmt: skip
+        ops = [e["ts"] for e in xs if e.get("cat") == "cpu_op" and a <= e["ts"] < b]
+        st.events = {"step": len(ops), **{n: sum(1 for t in ops if w0 * 1e6 <= t < w1 * 1e6) for n, (w0, w1) in st.windows.items()}}
         steps.append(st)
     return steps
 

@@ -33,6 +33,7 @@ import json
 import logging
 import os
 import signal
+import statistics
 import sys
 import time
 import warnings
@@ -284,7 +285,8 @@ def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps
     if prof is not None:
         prof.stop()
         if prof.path.is_file():
-            say(f"profiler trace of {prof.active} steps written to {prof.path}")
+            cost = prof.annotate([row[PHASES.index("step")] for row in phase_rows], warmup)
+            say(f"profiler trace of {prof.active} steps written to {prof.path} (the profiler cost {1e3 * cost:.2f} ms a step)")
     beat.beat(steps, "writing")
     config = {
         "dtype": settings.dtype,
@@ -340,6 +342,12 @@ def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps
     return 0
 
 
+#: the largest share of a profiled step taken as the profiler's cost: on cpu-2rank (2 gloo ranks,
+#: ~4,700 recorded ops a step) it cost ~20% on quiet steps (2026-12-07); larger differences between
+#: the profiled steps and the others came with the machine's load changing (up to 2x a minute here)
+PROFILER_COST_MAX = 0.3
+
+
 class _Profiler:
     """``torch.profiler`` around ``active`` steps after the job's warm-up (``--profile DIR``): CPU ops
     with their input shapes (``record_shapes``), and the device's kernels on GPUs, written as
@@ -350,7 +358,7 @@ class _Profiler:
         import torch.profiler as tp
 
         self.path = out / f"rank-{rank}.json"
-        self.active = active
+        self.wait, self.active = wait, active
         acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if accelerator == "cuda" else [])
         self.prof = tp.profile(activities=acts, record_shapes=True,
                                schedule=tp.schedule(wait=wait, warmup=1, active=active, repeat=1),
@@ -365,6 +373,23 @@ class _Profiler:
 
     def stop(self) -> None:
         self.prof.stop()
+
+    def annotate(self, step_s: list[float], warmup: int) -> float:
+        """Write into the trace (top-level ``moesim``) what the profiler cost this rank a step: the
+        median of the profiled steps' timer less that of the other measured steps, from 0 to
+        :data:`PROFILER_COST_MAX` of the profiled steps (beyond, the machine's load moved between the
+        steps), which ``--from-profile`` takes off the trace's windows; returns it (seconds)."""
+        profiled = range(self.wait + 1, self.wait + 1 + self.active)
+        on = [t for i, t in enumerate(step_s) if i in profiled]
+        off = [t for i, t in enumerate(step_s) if i >= warmup and i not in profiled]
+        cost = 0.0
+        if on and off:
+            cost = min(max(0.0, statistics.median(on) - statistics.median(off)), PROFILER_COST_MAX * statistics.median(on))
+        doc = json.loads(self.path.read_text())
+        doc["moesim"] = {"profiler_cost_per_step_s": cost, "profiled_steps": list(profiled),
+                         "profiled_step_s": on, "unprofiled_step_s": off}  # fmt: skip
+        atomic_write_text(self.path, json.dumps(doc))
+        return cost
 
 
 def start_profiler(out: str, rank: int, accelerator: str, steps: int, warmup: int, active: int) -> _Profiler:

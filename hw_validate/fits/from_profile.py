@@ -188,7 +188,8 @@ def _inside(calls, a: float, b: float) -> float:
 
 def measured_phases(traces: list[RankTrace]) -> dict[str, float] | None:
     """The job's phases as :mod:`hw_validate.fits.reference_job` reads a measurement: ``forward``,
-    ``backward``, ``optimizer`` (the windows) and the blocking calls inside them (``dispatch``:
+    ``backward``, ``optimizer`` (the windows, less the profiler's cost where the job measured it,
+    shared by the ops each window recorded) and the blocking calls inside them (``dispatch``:
     forward's, ``dispatch_bwd``: backward's, ``optimizer_comm``: the optimizer's); per step the
     slowest rank's, then the median over the steps. None when no step has windows."""
     per_step: dict[int, list[dict[str, float]]] = defaultdict(list)
@@ -198,9 +199,14 @@ def measured_phases(traces: list[RankTrace]) -> dict[str, float] | None:
             if not st.windows:
                 continue
             w = st.windows
+
+            def span(n: str, st=st, w=w, tr=tr) -> float:
+                """The window less its share (by recorded ops) of the profiler's cost a step."""
+                cost = tr.profiler_cost_s * st.events.get(n, 0) / max(1, st.events.get("step", 0))
+                return max(0.0, w[n][1] - w[n][0] - cost)
+
             per_step[st.index].append({
-                "forward": w["forward"][1] - w["forward"][0], "backward": w["backward"][1] - w["backward"][0],
-                "optimizer": w["optimizer"][1] - w["optimizer"][0],
+                "forward": span("forward"), "backward": span("backward"), "optimizer": span("optimizer"),
                 "dispatch": _inside(calls, *w["forward"]), "dispatch_bwd": _inside(calls, *w["backward"]),
                 "optimizer_comm": _inside(calls, *w["optimizer"]),
             })  # fmt: skip
@@ -332,15 +338,18 @@ SOLVE_TOL = 0.01
 SOLVE_ITERS = 6
 
 
-def solve_field(cal: Calibration, profile: dict, field: str, figure, x0: float, x1: float) -> tuple[float | None, float]:
+def solve_field(cal: Calibration, profile: dict, field: str, figure, x0: float, x1: float,
+                lo: float = 0.0) -> tuple[float | None, float]:  # fmt: skip
     """``(value, relative residual)`` of calibration ``field`` at which the scenario simulated as the
     job ran (:func:`hw_validate.fits.reference_job._simulate_reference`) gives the trace's ``figure``
-    (a function of the phases): the secant method from ``x0`` and ``x1``, clipped at 0, until within
-    :data:`SOLVE_TOL`. Near-linear figures (the reference job's two-probe solve) take one step;
+    (a function of the phases): the secant method from ``x0`` and ``x1``, kept at ``lo`` or above,
+    until within :data:`SOLVE_TOL` (None when the trace's figure is not positive). Near-linear figures (the reference job's two-probe solve) take one step;
     the compute scale does not (stalls come per second of compute, the median over noise draws)."""
     from hw_validate.fits.reference_job import _simulate_reference
 
     target = figure(profile["measured"]["phases_s"])
+    if not target > 0:
+        return None, 0.0
 
     def f(x: float) -> float:
         (phases, _), = _simulate_reference(cal, profile, field, (x,))
@@ -350,7 +359,7 @@ def solve_field(cal: Calibration, profile: dict, field: str, figure, x0: float, 
     for _ in range(SOLVE_ITERS):
         if abs(f1) <= SOLVE_TOL * target or f1 == f0:
             break
-        x0, x1, f0 = x1, max(0.0, x1 - f1 * (x1 - x0) / (f1 - f0)), f1
+        x0, x1, f0 = x1, max(lo, x1 - f1 * (x1 - x0) / (f1 - f0)), f1
         f1 = f(x1)
     return (x1 if f1 == f1 else None), (f1 / target if target > 0 else 0.0)
 
@@ -370,16 +379,16 @@ def _solve_in_job(cal: Calibration, scenario, overrides, router_trace, phases: d
     if params and t_opt > 0:
         probe, _ = fit_optimizer([{"params": params, "time_s": t_opt}], hbm)  # all of it per parameter
         cal.optimizer_step_overhead_us = 0.0
-        solves.append(("optimizer_bytes_per_param", optimizer_compute, probe, 0.5 * probe,
+        solves.append(("optimizer_bytes_per_param", optimizer_compute, probe, 0.5 * probe, 1e-3 * probe,
                        "the optimizer window less its collectives (one size: overhead 0)"))  # fmt: skip
-    if cpu:
-        solves += [("compute_scale", compute_time, 1.0, 2.0, "the trace's forward+backward compute less its calls"),
-                   ("call_overhead_us", blocking_time, 0.0, 1000.0, "the trace's time in blocking calls")]  # fmt: skip
+    if cpu:  # the calibration's bounds: a scale > 0, an overhead >= 0
+        solves += [("compute_scale", compute_time, 1.0, 2.0, 1e-3, "the trace's forward+backward compute less its calls"),
+                   ("call_overhead_us", blocking_time, 0.0, 1000.0, 0.0, "the trace's time in blocking calls")]  # fmt: skip
     fits: dict[str, Any] = {}
     for _ in range(SOLVE_ROUNDS):
-        for field, figure, x0, x1, what in solves:
+        for field, figure, x0, x1, lo, what in solves:
             cur = getattr(cal, field)
-            value, resid = solve_field(cal, prof, field, figure, cur if cur else x0, x1 if not cur else cur * 1.1 + 1e-3)
+            value, resid = solve_field(cal, prof, field, figure, cur if cur else x0, x1 if not cur else cur * 1.1 + 1e-3, lo)
             if value is None:
                 continue
             setattr(cal, field, value)

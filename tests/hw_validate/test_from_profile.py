@@ -270,6 +270,19 @@ def test_cpu_job_trace_has_the_simulators_shapes_and_windows(cpu_job):
     assert len(a2a) == 8 * 3 and {c.bytes for c in a2a} == {4 * 160 * 128 * 4}
     att = [a for a in tr.attention if a["dir"] == "fwd"]
     assert len(att) == 2 * 3 and (att[0]["batch"], att[0]["heads"], att[0]["seq"], att[0]["head_dim"]) == (4, 4, 64, 32)
+    # the profiler's cost a step, as the job measured it with its own timers, is taken off the windows
+    import statistics
+
+    from hw_validate.fits.from_profile import measured_phases
+
+    meta = json.loads((cpu_job / "profile" / "rank-0.json").read_text())["moesim"]
+    assert meta["profiled_steps"] == [2, 3, 4] and len(meta["unprofiled_step_s"]) == 1  # steps 2..5 measured
+    cost = max(0.0, statistics.median(meta["profiled_step_s"]) - statistics.median(meta["unprofiled_step_s"]))
+    assert tr.profiler_cost_s == pytest.approx(cost)
+    fwd = [max(t.steps[i].windows["forward"][1] - t.steps[i].windows["forward"][0]
+               - t.profiler_cost_s * t.steps[i].events["forward"] / t.steps[i].events["step"] for t in traces)
+           for i in range(3)]  # fmt: skip
+    assert measured_phases(traces)["forward"] == pytest.approx(statistics.median(fwd))
 
 
 @pytest.mark.deepspeed
