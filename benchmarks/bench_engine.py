@@ -1,4 +1,4 @@
-"""Step-simulator speed and DES-vs-analytic benchmark; writes benchmarks/results/engine.{json,md}.
+"""Step-simulator speed and DES-vs-analytic benchmark; writes benchmarks/results/engine-per-rank.{json,md}.
 
 Targets (issue 5), on this machine: a whole step of scenarios/128gpu.yaml at 128 GPUs in under
 5 s, at 1024 GPUs under 60 s. DES vs analytic: within 10% with uniform routing and no contention;
@@ -86,7 +86,7 @@ def main() -> int:
         print(acc[-1], flush=True)
     out = {"machine": MACHINE, "platform": platform.platform(), "speed": speed, "des_vs_analytic": acc}
     res = ROOT / "benchmarks" / "results"
-    atomic_write_text(res / "engine.json", dumps_json(out))
+    atomic_write_text(res / "engine-per-rank.json", dumps_json(out))
     lines = [
         "# Step-simulator benchmark", "",
         f"Machine: {MACHINE} ({platform.platform()}); shared with other jobs (1-minute load average in the",
@@ -110,7 +110,7 @@ def main() -> int:
             f"| {r['case']} | {r['des_step_s']:.4f} | {r['analytic_step_s']:.4f} | {100 * r['rel_diff']:+.1f}% | "
             f"{r['des_imbalance_wait_s']:.4f} | {r['max_over_mean_load']:.2f} |"
         )
-    atomic_write_text(res / "engine.md", "\n".join(lines) + "\n")
+    atomic_write_text(res / "engine-per-rank.md", "\n".join(lines) + "\n")
     return 0
 
 

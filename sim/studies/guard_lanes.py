@@ -5,7 +5,7 @@ routing arrays of ``world x ep`` per MoE layer and micro-batch; the estimate pas
 once per op with vectorised arrays of a stage's ranks; the DES times the all-to-alls of the lanes it
 follows, each by processor sharing over the group's ``ep (ep - 1)`` flows. Constants measured on the
 2-core AMD EPYC VM of this project (1F1B and DP+EP layouts of scenarios/128gpu.yaml, 16-128 nodes):
-see benchmarks/results/scale.md for the runs they are checked against.
+see benchmarks/results/engine.md for the runs they are checked against.
 """
 
 from __future__ import annotations
