@@ -10,8 +10,11 @@ engine never holds a world-sized array per op. Splits (Megatron-Core):
 - context parallelism: every rank holds ``seq / cp`` tokens; the attention core computes its queries
   against all keys (``1 / cp`` of the FLOPs, load-balanced causal chunks);
 - expert tensor parallelism: expert GEMMs split like the dense FFN by ``etp``;
-- FP8 / MXFP8: GEMMs at the FP8 peak (the cost model's ``fp8``/``mxfp8`` curves), plus a cast of
-  each GEMM's inputs (read bf16, write 1 byte) per pass; everything else stays bf16.
+- FP8 / MXFP8: GEMMs at the FP8 peak (the cost model's ``fp8``/``mxfp8`` curves; block-scaled FP8 at
+  the GPU's ``fp8_block_gemm_fraction`` of it, or as MXFP8 on Blackwell), plus TransformerEngine's
+  quantization of their inputs (:data:`~sim.model.dtypes.QUANT_BYTES_PER_ELEMENT` per element of the
+  activation in forward and of the output gradient in backward, the weight once per step); everything
+  else stays bf16.
 
 Backward GEMMs cost the input gradient (``dgrad``) plus the weight gradient (``wgrad``); a
 zero-bubble backward prices ``dgrad`` only and the deferred ``W`` pass the ``wgrad`` part.
@@ -25,7 +28,14 @@ from sim.frameworks.dispatcher import dispatcher_work
 from sim.frameworks.kernels import ATTENTION_BWD_FACTOR
 from sim.hardware.costs import CostModel
 from sim.inputs.scenario import Scenario
-from sim.model.dtypes import BYTES_PER_ELEMENT, gemm_dtype, storage_dtype
+from sim.model.dtypes import (
+    BYTES_PER_ELEMENT,
+    QUANT_BYTES_PER_ELEMENT,
+    QUANT_KERNELS,
+    fp8_recipe,
+    gemm_dtype,
+    storage_dtype,
+)
 from sim.model.flops import (
     Gemm,
     attention_core_flops_layer,
@@ -74,6 +84,17 @@ class Pricer:
         self.dt = gemm_dtype(t.dtype)
         self.bpe = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
         self.fp8 = t.dtype in ("fp8", "mxfp8")
+        self.recipe = fp8_recipe(t.dtype, t.fp8_recipe)
+        #: block-scaled FP8 GEMMs: slower kernels on Hopper, MXFP8 ones where the GPU has MX tensor cores
+        gpu = cost.gpu
+        self.rate_scale = 1.0
+        if self.recipe == "blockwise":
+            if gpu.fp8_block_gemm_fraction is not None:
+                self.rate_scale = gpu.fp8_block_gemm_fraction
+            elif "mxfp8" in gpu.peak_TFLOPs:
+                self.dt = "mxfp8"
+        #: quantizing a weight happens once per step (TE caches it from the first micro-batch on)
+        self.weight_share = 1.0 / max(t.grad_accum_steps, 1)
         #: tokens of a micro-batch a rank's GEMMs see (full sequence shard after SP all-gathers)
         self.T = t.micro_batch_size * t.seq_len // p.cp
         #: tokens a rank holds between TP regions (norms, residual, the router): T / tp with SP
@@ -88,15 +109,16 @@ class Pricer:
     def _gemm(self, g: Gemm, rows: np.ndarray | float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(fwd, dgrad, wgrad, FLOPs) of ``g`` on ``rows`` (array or scalar), cast costs included."""
         r = np.atleast_1d(np.asarray(rows, dtype=np.float64))
-        fwd, bwd = self.cost.gemm_train_times(r, g.n, g.k, self.dt)
-        dgrad = self.cost.gemm_times(r, g.k, g.n, self.dt)
+        fwd, bwd = self.cost.gemm_train_times(r, g.n, g.k, self.dt, self.rate_scale)
+        dgrad = self.cost.gemm_times(r, g.k, g.n, self.dt, self.rate_scale)
         wgrad = bwd - dgrad
-        if self.fp8:  # quantize each GEMM's inputs: read bf16, write 1 byte (+ scales), one kernel each
-            per = (self.bpe + 1) / self.cost.hbm_Bps
+        if self.recipe is not None:  # TE quantizes the activation (forward) and the output gradient (backward);
+            per = QUANT_BYTES_PER_ELEMENT[self.recipe] / self.cost.hbm_Bps  # wgrad reuses their column copies
+            launches = QUANT_KERNELS[self.recipe] * self.cost.launch_s
             used = r > 0
-            weight = g.n * g.k * per + self.cost.launch_s  # the weight, once per pass
-            fwd = fwd + np.where(used, r * g.k * per + self.cost.launch_s + weight, 0.0)
-            dgrad = dgrad + np.where(used, r * g.n * per + self.cost.launch_s + weight, 0.0)
+            weight = (g.n * g.k * per + launches) * self.weight_share
+            fwd = fwd + np.where(used, r * g.k * per + launches + weight, 0.0)
+            dgrad = dgrad + np.where(used, r * g.n * per + launches, 0.0)
         return fwd, dgrad, wgrad, 2.0 * r * g.n * g.k
 
     def _gemms(self, gemms: list[Gemm], rows, split: int) -> tuple[float | np.ndarray, ...]:

@@ -212,33 +212,34 @@ class CostModel:
         t = max(flops / self.gemm_flops_per_s(m, n, k, dtype), nbytes / self.hbm_Bps)
         return count * (t + self.launch_s)
 
-    def gemm_times(self, m: np.ndarray, n: float, k: float, dtype: str) -> np.ndarray:
-        """:meth:`gemm_time` over an array of row counts ``m`` (zero rows cost nothing)."""
+    def gemm_times(self, m: np.ndarray, n: float, k: float, dtype: str, rate_scale: float = 1.0) -> np.ndarray:
+        """:meth:`gemm_time` over an array of row counts ``m`` (zero rows cost nothing); ``rate_scale``
+        multiplies the achieved FLOP/s (a kernel family slower than the curve's, e.g. block-scaled FP8)."""
         m = np.asarray(m, dtype=np.float64)
         out = np.zeros(m.shape)
         ok = m > 0
         if n <= 0 or k <= 0 or not ok.any():
             return out
         mm = m[ok]
-        rate = self.gemm_curve(dtype).rate(mm, n, k)
+        rate = self.gemm_curve(dtype).rate(mm, n, k) * rate_scale
         nbytes = bytes_per_element(dtype) * (mm * k + k * n + mm * n)
         out[ok] = np.maximum(2.0 * mm * n * k / rate, nbytes / self.hbm_Bps) + self.launch_s
         return out
 
     def gemm_train_times(
-        self, m: np.ndarray, n: float, k: float, dtype: str
+        self, m: np.ndarray, n: float, k: float, dtype: str, rate_scale: float = 1.0
     ) -> tuple[np.ndarray, np.ndarray]:
         """(forward, backward) seconds of a linear layer on ``m`` rows: forward ``[m,k]@[k,n]``;
         backward the input gradient ``[m,n]@[n,k]`` plus the weight gradient ``[k,m]@[m,n]``."""
         m = np.asarray(m, dtype=np.float64)
-        fwd = self.gemm_times(m, n, k, dtype)
-        dgrad = self.gemm_times(m, k, n, dtype)
+        fwd = self.gemm_times(m, n, k, dtype, rate_scale)
+        dgrad = self.gemm_times(m, k, n, dtype, rate_scale)
         wgrad = np.zeros(m.shape)
         ok = m > 0
         if ok.any():
             # [k, m] @ [m, n]: the token count is the reduction dimension
             mm = m[ok]
-            rate = self.gemm_curve(dtype).rate(k, n, mm)
+            rate = self.gemm_curve(dtype).rate(k, n, mm) * rate_scale
             nbytes = bytes_per_element(dtype) * (mm * k + k * n + mm * n)
             wgrad[ok] = np.maximum(2.0 * mm * n * k / rate, nbytes / self.hbm_Bps) + self.launch_s
         return fwd, dgrad + wgrad

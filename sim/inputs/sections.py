@@ -323,6 +323,12 @@ class TrainingConfig(StrictModel):
         description="GEMM precision; fp8 (per-tensor/blockwise) and mxfp8 keep bf16 weights, activations "
         "and gradients and fp32 master weights and optimizer states",
     )
+    fp8_recipe: Literal["delayed", "current", "blockwise"] = Field(
+        default="delayed",
+        description="with dtype fp8, TransformerEngine's scaling recipe: delayed (amax history, TE's default), "
+        "current (per-tensor current scaling: an extra amax pass over each input), blockwise (1x128 / 128x128 "
+        "blocks as DeepSeek-V3; on Blackwell it runs as MXFP8)",
+    )
     framework: Literal["deepspeed", "megatron", "fsdp2"] = Field(
         default="deepspeed",
         description="what runs the step: DeepSpeed ZeRO, Megatron-Core (distributed optimizer) or FSDP2",

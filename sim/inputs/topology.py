@@ -88,6 +88,14 @@ class GpuSpec(StrictModel):
         default=None, gt=0, le=1, description="achieved fraction of hbm_bw_GBps by streaming kernels"
     )
     attention: AttentionFigure | None = Field(default=None, description="measured fused-attention throughput")
+    fp8_block_gemm_fraction: float | None = Field(
+        default=None,
+        gt=0,
+        le=1,
+        description="GEMMs with 1x128 / 128x128 block scales run at this share of the per-tensor FP8 rate "
+        "(Hopper, where cuBLAS runs them natively); unset: block scaling runs as MXFP8 where the GPU has it, "
+        "else at the FP8 rate",
+    )
     sustained_compute_fraction: float = Field(
         default=1.0,
         gt=0,
