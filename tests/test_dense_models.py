@@ -60,3 +60,36 @@ def test_recompute_num_layers_needs_full_checkpointing(tmp_path, capsys):
     code = main(["simulate", str(path), "--set", "training.activation_checkpointing=selective"])
     assert code == 2
     assert "training.recompute_num_layers" in capsys.readouterr().err
+
+
+def test_megatron_param_gather_starts_with_the_step_on_every_stage(tmp_path):
+    """Megatron's distributed optimizer (overlap_param_gather, align_param_gather): every chunk's first bucket
+    is gathered from the step's start, not when the stage's first input arrives, and the rest layer by layer."""
+    import json
+
+    from sim.cli.main import main
+    from sim.frameworks.builder import build_program
+    from sim.frameworks.program import ParamGather, WaitParams
+
+    row = ROOT / "validation" / "published" / "dense" / "DENSE-H100-70B.yaml"
+    s = load_scenario(row)
+    from sim.engine.simulate import cost_model
+
+    prog = build_program(s, cost_model(s))
+    for st in prog.stages:
+        for ch in st.chunks:
+            gathers = [op for op in ch.fwd if isinstance(op, ParamGather)]
+            waits = [op for op in ch.fwd if isinstance(op, WaitParams)]
+            assert gathers[0].at_step_start and not any(g.at_step_start for g in gathers[1:])
+            assert len(gathers) == len(waits) == len(ch.layers)  # one bucket per layer
+            assert all(g.first_micro_only for g in gathers)
+    trace = tmp_path / "t.json"
+    ranks = ",".join(str(r * s.layout.stage_size) for r in range(s.parallelism.pp))
+    assert main(["simulate", str(row), "--trace", str(trace), "--trace-ranks", ranks]) == 0
+    events = json.loads(trace.read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    first = {}
+    for e in events:
+        if e.get("ph") == "X" and e["name"] == "param_gather":
+            first[e["pid"]] = min(first.get(e["pid"], float("inf")), e["ts"])
+    assert len(first) == s.parallelism.pp and set(first.values()) == {0}

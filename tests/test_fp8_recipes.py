@@ -22,7 +22,10 @@ def test_quantization_traffic_reproduces_transformer_engines_overhead():
     gemms = [(h, 3 * h), (h, h), (h, f), (f, h)]  # (K, N): QKV, attention out, MLP up, MLP down
 
     def quant_s(elements: float) -> float:  # the benchmark quantizes both operands of every GEMM it times
-        return elements * QUANT_BYTES_PER_ELEMENT["current"] / cost.hbm_Bps + QUANT_KERNELS["current"] * cost.launch_s
+        return (
+            elements * QUANT_BYTES_PER_ELEMENT["current"] / cost.hbm_Bps
+            + QUANT_KERNELS["current"] * cost.launch_s
+        )
 
     model = {"fprop": sum(quant_s(m * k) + quant_s(k * n) for k, n in gemms),
              "dgrad": sum(quant_s(m * n) + quant_s(k * n) for k, n in gemms),
@@ -43,7 +46,10 @@ def _pricer(entry_id: str, **training):
 
 
 def test_recipes_price_what_they_move():
-    cur, dly = _pricer("L-mixtral-a2a-fp8", fp8_recipe="current"), _pricer("L-mixtral-a2a-fp8", fp8_recipe="delayed")
+    cur, dly = (
+        _pricer("L-mixtral-a2a-fp8", fp8_recipe="current"),
+        _pricer("L-mixtral-a2a-fp8", fp8_recipe="delayed"),
+    )
     blk = _pricer("L-mixtral-a2a-fp8", fp8_recipe="blockwise")
     from sim.model.flops import expert_gemms
 
