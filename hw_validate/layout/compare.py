@@ -130,6 +130,9 @@ def pipeline_rows(m: dict[str, Any], p: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(_row(f"compute[rank {r}]", mr["compute_s"], pr["compute_s"], False))
         rows.append(_row(f"optimizer[rank {r}]", mr["optimizer_s"], pr["optimizer_s"], False,
                          "job: torch AdamW; simulator: the calibration's DeepSpeed step"))  # fmt: skip
+    for r, mr in enumerate(m["ranks"]):
+        rows.append(_row(f"late-posted receives[rank {r}] (not simulated)", mr["late_post_wait_s"], 0.0, False,
+                         "waits for data sent before the receive was posted"))  # fmt: skip
     return rows
 
 

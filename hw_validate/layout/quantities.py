@@ -8,11 +8,15 @@ Pipeline, per step:
   its **optimizer** and the **pipeline bubble** = step time - compute - optimizer: the time the rank
   is not computing, as the simulator tiles a rank's step (its ``pipeline_bubble`` category); on the
   real side the bubble is also split into receive waits, send waits, posting the p2p ops and the
-  rest (Python between the passes);
-- the **p2p transfer** of every activation or gradient whose receiver was already waiting: from the
+  rest (Python between the passes, the idle end), and ``late_post_wait_s`` is the part of the
+  receive waits spent on data sent before the receive was posted (gloo moves it only then; the
+  simulator delivers it at the sender's pass end + the transfer, so such a receive costs nothing there);
+- the **p2p transfer** of every activation or gradient whose receiver did not compute between the
   moment both sides had posted (the later of the ``isend`` and the ``irecv``; gloo moves nothing
-  before) to the receiver's wake-up, and ``after_pass``: from the end of the sender's pass to that
-  wake-up (what the simulator's ``p2p_time`` stands for: it sends at the pass's end);
+  before) and the end of its wait: from that moment to the receiver's wake-up, and ``after_pass``:
+  from the end of the sender's pass to that wake-up (what the simulator's ``p2p_time`` stands for:
+  it sends at the pass's end). gloo's ``is_completed()`` is not read: a receive that arrived can
+  still report not completed until waited on;
 - each pass's duration per (stage, F|B).
 
 Tensor parallel, per step: every TP collective (kind, fwd|bwd, region, layer), as each rank saw it
@@ -60,7 +64,7 @@ def measured_pipeline(ranks: list[list[list]]) -> dict[str, Any]:
             elif n in ("send_issue", "recv_issue"):
                 issue[(n[:4], x["dir"], x["micro"], x["stage"])] = a
             elif n == "recv_wait":
-                waits.append((x, a, b))
+                waits.append((r, x, a, b))
         compute = tot["forward"] + tot["backward"] + tot["loss"]
         rows.append({
             "rank": r, "compute_s": compute, "optimizer_s": tot["optimizer"],
@@ -68,15 +72,25 @@ def measured_pipeline(ranks: list[list[list]]) -> dict[str, Any]:
             "send_wait_s": tot["send_wait"], "post_s": tot["p2p_post"],
         })  # fmt: skip
         rows[-1]["other_s"] = rows[-1]["bubble_s"] - tot["recv_wait"] - tot["send_wait"] - tot["p2p_post"]
+    busy = defaultdict(list)  # each rank's compute intervals
+    for p in passes:
+        busy[p["rank"]].append((p["start"], p["end"]))
     _fold_loss(passes)
     ends = {(p["kind"], p["stage"], p["micro"]): p["end"] for p in passes}
     messages = []
-    for x, _a, b in waits:
+    for row in rows:
+        row["late_post_wait_s"] = 0.0
+    for r, x, a, b in waits:
         src = x["stage"] - 1 if x["dir"] == "F" else x["stage"] + 1
         sent = issue.get(("send", x["dir"], x["micro"], src))
         posted = issue.get(("recv", x["dir"], x["micro"], x["stage"]))
-        if not x.get("blocked") or sent is None or posted is None:
+        if sent is None or posted is None:
             continue
+        both = max(sent, posted)
+        if any(s0 < b and e0 > both for s0, e0 in busy[r]):
+            continue  # the receiver computed after both had posted: the data may have waited for it
+        if posted > sent:  # the data was sent before the receive was posted: it still had to move
+            rows[r]["late_post_wait_s"] += b - a
         sender_end = ends.get((x["dir"], src, x["micro"]))
         messages.append({"dir": x["dir"], "micro": x["micro"], "src": src, "dst": x["stage"],
                          "transfer_s": b - max(sent, posted),

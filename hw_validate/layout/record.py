@@ -12,16 +12,22 @@ Format (``format: moesim.layout_measurement``, ``version: 1``; seconds; written 
      "steps": 10, "warmup_steps": 2, "measured_steps": [2, ..., 9],
      "clock": "time.perf_counter (CLOCK_MONOTONIC, one clock for every rank of the host)",
      "spans": [[[name, start_s, end_s, {args}], ...] per rank] per step,   # from the step's origin
-     "loss": [per step]}
+     "loss": [per step],
+     "sweep": [{"name": "p2p" | "tp_all_gather" | ..., "bytes", "first_exit_s", "last_exit_s", "reps"}]}
 
 A step's origin is the earliest rank's exit from the barrier that starts it; every span is relative
-to it. Span names: ``forward``/``backward`` (one pass of one micro-batch, args ``micro``, ``chunk``),
-``recv_wait`` (blocked on an activation or gradient receive, args ``dir`` F|B, ``micro``,
-``chunk``, ``blocked``: the data had not arrived when the wait began), ``send_wait``,
-``send_issue`` (a zero-length mark when a send was posted), ``loss``, ``optimizer``, ``step``
-(the rank's whole step), and in tensor-parallel jobs ``tp_all_gather``, ``tp_reduce_scatter``,
-``tp_all_reduce`` (args ``phase`` fwd|bwd, ``region`` attention|mlp|embedding|head|loss, ``layer``,
-``bytes``) and the ``attention``/``mlp`` windows of each layer.
+to it. Span names: ``forward``/``backward`` (one pass of one micro-batch, args ``micro``, ``chunk``,
+``stage``: the model stage), ``recv_wait`` (waiting for an activation or gradient, args ``dir``
+F|B, ``micro``, ``chunk``, ``stage`` (the receiving one), ``blocked``: the data had not arrived
+when the wait began), ``send_wait``, ``p2p_post`` (the ``isend``/``irecv`` calls of one batch),
+``send_issue``/``recv_issue`` (zero-length marks when each op was posted, ``stage`` the sending
+or receiving one), ``loss`` (``micro``), ``optimizer``, ``step`` (the rank's whole step); in
+tensor-parallel jobs ``tp_all_gather``, ``tp_reduce_scatter``, ``tp_all_reduce`` (args ``phase``
+fwd|bwd|optimizer, ``region`` attention|mlp|embedding|head|loss|norm_grads, ``layer``, ``bytes``:
+the input's), the ``attention``/``mlp``/``embedding``/``head`` module windows (``phase``,
+``layer``, ``comm_s``: the collectives inside), ``forward``, ``backward``. ``sweep``: the job's
+collective (or p2p) timed alone after the training steps, every rank idle
+(:func:`hw_validate.layout.timeline.collective_sweep`).
 """
 
 from __future__ import annotations

@@ -66,6 +66,7 @@ class _Timed:
         self.bwd_started = False
         self.phase = "fwd"  # fwd | bwd | optimizer: what the rank is running (set by the training loop)
         self.inside: list[float] = []  # collective seconds inside the open window
+        self.inside_window = False
 
     def install(self) -> None:
         self.originals = {name: getattr(funcol, name) for name in _COLLECTIVES}
@@ -97,8 +98,6 @@ class _Timed:
             return out
 
         return timed
-
-    inside_window = False
 
     def module(self, mod: torch.nn.Module, region: str, layer: int, backward: bool) -> None:
         state: dict[str, float] = {}
@@ -150,12 +149,12 @@ def parallelize(model: torch.nn.Module, mesh, tp: int, sp: bool) -> None:
         }  # fmt: skip
         if isinstance(block.ffn, GatedMLP):
             plan["ffn.gate"] = ColwiseParallel()
+        # the module's input as one replicated DTensor: the input gradients of Q, K and V (of the MLP's
+        # projections) sum to one partial gradient, reduced once (reduce-scattered with SP)
+        plan["attn"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
+        plan["ffn"] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(Replicate(),))
         if sp:
-            plan.update({
-                "norm1": SequenceParallel(), "norm2": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-                "ffn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })  # fmt: skip
+            plan.update({"norm1": SequenceParallel(), "norm2": SequenceParallel()})
         parallelize_module(block, mesh, plan)
         block.attn.h //= tp  # heads of this rank (Megatron's num_attention_heads_per_partition)
         block.attn.kv //= tp

@@ -76,6 +76,12 @@ def test_measured_pipeline_on_a_hand_made_1f1b_step():
     assert msgs[("F", 0)]["transfer_s"] == 1 and msgs[("F", 0)]["after_pass_s"] == 1  # sent at 10, there at 11
     assert msgs[("B", 0)]["transfer_s"] == 2 and msgs[("B", 0)]["after_pass_s"] == 2  # sent at 45, there at 47
     assert q["pass_s"] == {"B0": 20, "B1": 23, "F0": pytest.approx(9.75), "F1": 11}  # the loss in the last forward
+    assert q["ranks"][0]["late_post_wait_s"] == q["ranks"][1]["late_post_wait_s"] == 0  # both posted before the send
+    r1[0] = _span("recv_issue", 10.5, 10.5, dir="F", micro=0, chunk=0, stage=1, bytes=8)  # posted after the send
+    r1[1] = _span("recv_wait", 10.6, 11, dir="F", micro=0, chunk=0, stage=1, blocked=True)
+    late = Q.measured_pipeline([r0, r1])
+    assert late["ranks"][1]["late_post_wait_s"] == pytest.approx(0.4)
+    assert {(m["dir"], m["micro"]): m["transfer_s"] for m in late["messages"]}[("F", 0)] == pytest.approx(0.5)
 
 
 @pytest.mark.parametrize("path", [PP2, PPI], ids=["1f1b", "interleaved"])
@@ -133,7 +139,8 @@ def test_measured_tp_pairs_calls_across_ranks():
 
 
 def test_compare_flags_what_misses_15_percent():
-    m = {"bubble_s": 1.0, "bubble_fraction": 0.2, "ranks": [{"bubble_s": 1.0, "compute_s": 3, "optimizer_s": 1}],
+    m = {"bubble_s": 1.0, "bubble_fraction": 0.2,
+         "ranks": [{"bubble_s": 1.0, "compute_s": 3, "optimizer_s": 1, "late_post_wait_s": 0.0}],
          "p2p_transfer_s": 0.001, "p2p_after_pass_s": 0.002, "step_s": 5, "pass_s": {"F0": 1}}
     p = {**m, "bubble_s": 1.1, "p2p_transfer_s": 0.002}
     rows, err = compare("pipeline", m, p)
