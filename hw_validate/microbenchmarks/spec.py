@@ -33,18 +33,18 @@ def scenario_shapes(paths: list[str | Path], accelerator: str = "cpu") -> dict[s
     dtypes: set[str] = set()
 
     class Recording(CostModel):
-        def gemm_times(self, m, n, k, dtype):
+        def gemm_times(self, m, n, k, dtype, rate_scale=1.0):
             for mm in np.unique(np.asarray(m, dtype=np.float64)):
                 if mm > 0 and n > 0 and k > 0:
                     gemms.add((int(mm), int(n), int(k)))
-            return super().gemm_times(m, n, k, dtype)
+            return super().gemm_times(m, n, k, dtype, rate_scale)
 
-        def gemm_train_times(self, m, n, k, dtype):
+        def gemm_train_times(self, m, n, k, dtype, rate_scale=1.0):
             for mm in np.unique(np.asarray(m, dtype=np.float64)):
                 if mm > 0:
                     gemms.add((int(mm), int(k), int(n)))  # input gradient [m, n] @ [n, k]
                     gemms.add((int(k), int(n), int(mm)))  # weight gradient [k, m] @ [m, n]
-            return super().gemm_train_times(m, n, k, dtype)
+            return super().gemm_train_times(m, n, k, dtype, rate_scale)
 
     for p in paths:
         s = load_scenario(p)
