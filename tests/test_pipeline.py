@@ -102,6 +102,29 @@ def test_tp_bytes_per_layer_and_p2p_bytes_per_micro_batch():
     assert any(isinstance(op, Kernels) for op in ops)
 
 
+def test_tp_collectives_of_the_embedding_head_and_loss():
+    """Megatron's vocab-parallel embedding (its output reduced over TP: reduce-scattered under SP), the
+    column-parallel LM head (its input all-gathered under SP, the gradient reduce-scattered back) and the
+    vocab-parallel cross entropy (max, sum of exponentials and target logit all-reduced: 3 fp32 per token)."""
+    s = load_scenario(BIG, ["parallelism.tp=2", "parallelism.pp=2"])
+    prog = build_program(s, cost_model(s))
+    t, d = s.training.micro_batch_size * s.training.seq_len, s.model.hidden_size
+    first, last = prog.stages[0].chunks[0], prog.stages[-1].chunks[-1]
+    n = s.model.num_layers
+
+    def comms(ops, layer):
+        return [(op.kind, op.nbytes) for op in ops if isinstance(op, GroupComm) and op.layer == layer]
+
+    assert comms(first.fwd, -1) == [("reduce_scatter", t * d * 2)]
+    assert comms(first.bwd, -1) == [("all_gather", t * d * 2)]
+    assert comms(last.fwd, n) == [("all_gather", t * d * 2), ("all_reduce", 3 * 4 * t)]
+    assert comms(last.bwd, n) == [("reduce_scatter", t * d * 2)]
+    no_sp = load_scenario(BIG, ["parallelism.tp=2", "parallelism.sequence_parallel=false"])
+    st = build_program(no_sp, cost_model(no_sp)).stages[0].chunks[0]
+    assert comms(st.fwd, -1) == [("all_reduce", t * d * 2)] and comms(st.bwd, -1) == []
+    assert comms(st.fwd, n) == [("all_reduce", 3 * 4 * t)] and comms(st.bwd, n) == [("all_reduce", t * d * 2)]
+
+
 def test_in_flight_micro_batches_per_schedule():
     s = load_scenario(BIG, ["parallelism.pp=4", "training.grad_accum_steps=8"])
     assert [in_flight(s, r) for r in range(4)] == [4, 3, 2, 1]  # PipeDream-Flush: pp - r

@@ -152,8 +152,9 @@ def tp_rows(m: dict[str, Any], p: dict[str, Any]) -> list[dict[str, Any]]:
         rows.append(_row(f"{k} GEMMs (one call)", m["compute_s"].get(k), p["compute_s"][k], True,
                          "the layer's module window less its collectives, median"))  # fmt: skip
     rows.append(_row("step", m["step_s"], p["step_s"], False))
-    for k, v in m["not_modelled_s"].items():
-        rows.append(_row(f"{k} (not simulated)", v, 0.0, False, "per step and rank"))
+    for k in sorted(set(m["not_modelled_s"]) | set(p.get("not_modelled_s", {}))):
+        rows.append(_row(f"{k} (outside the layers)", m["not_modelled_s"].get(k), p.get("not_modelled_s", {}).get(k, 0.0),
+                         False, "embedding, LM head and vocab-parallel loss collectives, per step and rank"))  # fmt: skip
     return rows
 
 

@@ -47,6 +47,7 @@ class _Layers:
         self.tp, self.etp, self.cp, self.sp = p.tp, p.etp, p.cp, s.sequence_parallel
         bpe = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
         tokens = t.micro_batch_size * t.seq_len // p.cp
+        self.tokens = tokens
         self.act_bytes = tokens * self.m.hidden_size * bpe  # a full activation of the TP group
         m = self.m
         kv_width = (m.kv_lora_rank or 0) + (m.qk_rope_head_dim or 0) if m.attention == "mla" else 2 * m.kv_heads * m.head_size
@@ -71,6 +72,13 @@ class _Layers:
             kind = "all_gather" if first else "reduce_scatter"
             return [GroupComm(f"tp_{kind}", kind, "tp", self.act_bytes, i, self.overlap)]
         return [] if first else [GroupComm("tp_all_reduce", "all_reduce", "tp", self.act_bytes, i, self.overlap)]
+
+    def vocab_parallel_loss(self, n: int) -> list:
+        """The vocab-parallel cross entropy's all-reduces over TP (max logit, sum of exponentials, target
+        logit: 3 floats per token), priced as one collective."""
+        if self.tp == 1:
+            return []
+        return [GroupComm("tp_all_reduce", "all_reduce", "tp", 3 * 4 * self.tokens, n)]
 
     def _etp(self, i: int, first: bool) -> list:
         if self.etp == 1:
@@ -188,8 +196,8 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
         fwd.append(WaitParams(units[0][0], first_micro_only=True))
     if pol.layer_gathers and vs.layers:
         fwd.append(ParamGather(f"f{vs.layers[0]}", params[vs.layers[0]][0] + outer_f, params[vs.layers[0]][1]))
-    if vs.embedding:
-        fwd.append(Kernels([Kernel("embedding", -1)], -1))
+    if vs.embedding:  # vocab-parallel lookup, then reduced over TP (reduce-scattered under SP)
+        fwd += [Kernels([Kernel("embedding", -1)], -1), *layers._tp(-1, "embedding", False)]
     for j, i in enumerate(vs.layers):
         if pol.step_gather and j > 0:
             fwd += _next_gather(units, j)
@@ -201,8 +209,13 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
         fwd += layers.forward(i)
     n = s.model.num_layers
     if vs.head:
-        fwd.append(Kernels([Kernel("output", n)] + ([Kernel("mtp_proj", n)] if s.model.mtp_layers else []), n))
-        bwd.append(Kernels([Kernel("output", n)] + ([Kernel("mtp_proj", n)] if s.model.mtp_layers else []), n))
+        # column-parallel LM head: its input gathered over TP under SP (the input gradient reduced in backward),
+        # the vocab-parallel cross entropy's three all-reduces of per-token floats (max, sum, target logit) as one
+        fwd += [*layers._tp(n, "output", True),
+                Kernels([Kernel("output", n)] + ([Kernel("mtp_proj", n)] if s.model.mtp_layers else []), n),
+                *layers.vocab_parallel_loss(n)]  # fmt: skip
+        bwd += [Kernels([Kernel("output", n)] + ([Kernel("mtp_proj", n)] if s.model.mtp_layers else []), n),
+                *layers._tp(n, "output", False)]  # fmt: skip
         if head:
             bwd.append(Grads(n, head, 0, every))
     rev = list(reversed(vs.layers))
@@ -216,7 +229,7 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
         bwd += layers.backward(i, layer_recompute(s, vs.layers.index(i), recompute))
         bwd.append(Grads(i, *params[i], every))
     if vs.embedding:
-        bwd.append(Kernels([Kernel("embedding", -1)], -1))
+        bwd += [*layers._tp(-1, "embedding", True), Kernels([Kernel("embedding", -1)], -1)]
         bwd.append(Grads(-1, emb, 0, every))
     for k in range(len(bwd) - 1, -1, -1):  # the last hand-over of the backward flushes the buckets
         if isinstance(bwd[k], Grads):
