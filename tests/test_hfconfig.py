@@ -293,7 +293,14 @@ _QWEN3 = dict(
     linear_bias=False,
 )
 #: Every config.json under validation/published/models/ -> the ModelConfig fields it must give.
+_LLAMA3 = dict(num_kv_heads=8, head_size=128, vocab_size=128256, num_experts=1, num_moe_layers=0,
+               tie_word_embeddings=False)
 PUBLISHED_FIELDS = {
+    "Llama-3-8B": {**_LLAMA3, "num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "ffn_hidden_size": 14336},
+    "Llama-3-70B": {**_LLAMA3, "num_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
+                    "ffn_hidden_size": 28672},
+    "Llama-3.1-405B": {**_LLAMA3, "num_layers": 126, "hidden_size": 16384, "num_attention_heads": 128,
+                       "ffn_hidden_size": 53248},
     "GPT-OSS-120B": {**_GPT_OSS, "num_layers": 36, "num_experts": 128, "num_moe_layers": 36},
     "GPT-OSS-20B": {**_GPT_OSS, "num_layers": 24, "num_experts": 32, "num_moe_layers": 24},
     "Qwen3-235B-A22B": {
