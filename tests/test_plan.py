@@ -154,6 +154,18 @@ def test_pruning_matches_scenario_files_and_memory():
     assert len(sample) == len(fits) + sum(invalid.values()) + sum(no_fit.values())
 
 
+def test_headroom_keeps_memory_free():
+    plain = build_base(QWEN30, "dgx-h100", 16, global_batch=64, recomputes=("none",))
+    kept = build_base(QWEN30, "dgx-h100", 16, global_batch=64, recomputes=("none",), headroom_GiB=20)
+    cands, _ = enumerate_space(plain.shape, plain.space)
+    loose, _, _ = prune(plain, cands)
+    tight, _, no_fit = prune(kept, cands)
+    assert 0 < len(tight) < len(loose) and sum(no_fit.values()) == len(cands) - len(tight)
+    assert all(f.memory["peak_GiB_per_gpu"] <= f.memory["capacity_GiB"] - 20 for f in tight)
+    assert {f.candidate for f in tight} == {f.candidate for f in loose if f.memory["peak_GiB_per_gpu"]
+                                            <= f.memory["capacity_GiB"] - 20}  # fmt: skip
+
+
 def test_estimate_extrapolates_the_micro_batches():
     base = build_base(QWEN30, "dgx-h100", 16, global_batch=96)
     cands, _ = enumerate_space(base.shape, base.space)
@@ -185,6 +197,7 @@ def test_pareto_front():
         (["--framework", "jax"], "--framework"),
         (["--policy", "random"], "--policy"),
         (["--top", "0"], "--top"),
+        (["--headroom", "-1"], "--headroom"),
         (["--address", "auto"], "--address"),
     ],
 )

@@ -36,10 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="routing policies to search, e.g. topk,node_limited:M=2 (default: the scenario's, else topk)")  # fmt: skip
     parser.add_argument("--recompute", type=_list, metavar="R[,R...]",
                         help="recompute choices to search (default: none,selective,full)")  # fmt: skip
+    parser.add_argument("--headroom", type=float, default=0.0, metavar="GiB",
+                        help="memory per GPU to keep free beyond the memory model's peak (CUDA context, "
+                        "communication libraries' buffers, fragmentation; default 0)")  # fmt: skip
     parser.add_argument("--top", type=int, default=10, metavar="K",
                         help="layouts simulated with the DES and listed (default 10)")  # fmt: skip
     parser.add_argument("--shortlist", type=int, metavar="N",
-                        help="candidates the lane engine's estimate ranks (default 4 x --top)")  # fmt: skip
+                        help="candidates the lane engine's estimate ranks (default 4 x --top, at least 20)")  # fmt: skip
     parser.add_argument("--backend", choices=("local", "ray"), default="local",
                         help="local: a process pool on this machine (default); ray: Ray tasks "
                         "(needs pip install 'moesim[cluster]')")  # fmt: skip
@@ -73,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         import_ray()  # exit 2 with the install hint before any work
     base = build_base(args.model, args.topology, args.gpus, global_batch=args.global_batch, seq_len=args.seq,
                       dtype=args.dtype, frameworks=args.framework, dispatchers=args.dispatcher,
-                      policies=args.policy, recomputes=args.recompute)  # fmt: skip
+                      policies=args.policy, recomputes=args.recompute, headroom_GiB=args.headroom)  # fmt: skip
     log = Path(args.log) if args.log else default_log(args.json, base)
     jobs = args.jobs or os.cpu_count() or 1
     doc = run_plan(base, top=args.top, shortlist_size=args.shortlist, backend=args.backend, jobs=jobs,
@@ -97,6 +100,8 @@ def _counts_line(doc: dict[str, Any]) -> list[str]:
     lines = [f"searched {c['combinations']:,} combinations: {rules:,} dropped by the space's rules, "
              f"{sum(c['invalid'].values()):,} invalid layouts, {sum(c['do_not_fit'].values()):,} do not fit in memory, "
              f"{c['fit']:,} fit; {c['estimated']} estimated (lane engine, every lane), {c['simulated']} simulated (DES, folded)"]  # fmt: skip
+    if c.get("refused_by_resource_guard"):
+        lines[0] += f", {c['refused_by_resource_guard']} refused by the resource guard (--force runs them)"
     for what, by in (("dropped", c["dropped_by_rules"]), ("invalid", c["invalid"]), ("do not fit", c["do_not_fit"])):
         if by:
             lines.append(f"  {what}: " + "; ".join(f"{k} {v:,}" for k, v in by.items()))
@@ -124,7 +129,8 @@ def format_table(doc: dict[str, Any], resumed: int = 0, log_path: str | None = N
         return "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths, strict=True)))
 
     out = [f"{doc['model']} on {doc['gpus']} x {doc['gpu']} ({doc['nodes']} x {doc['topology']}): global batch "
-           f"{doc['global_batch']:,} x {doc['seq_len']:,} tokens, {doc['dtype']}" + (f", {knobs}" if knobs else ""),
+           f"{doc['global_batch']:,} x {doc['seq_len']:,} tokens, {doc['dtype']}" + (f", {knobs}" if knobs else "")
+           + (f", {doc['headroom_GiB']:g} GiB kept free" if doc["headroom_GiB"] else ""),
            *_counts_line(doc), line(head), *(line(r) for r in rows)]  # fmt: skip
     if not rows:
         out.append("no layout fits: see the counts above")

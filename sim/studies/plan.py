@@ -15,6 +15,8 @@
    Qwen3-235B's published layout).
 5. **Simulate** the best ``top`` layouts with the DES (``fidelity="folded"``, every micro-batch), on local
    processes or Ray (:mod:`sim.studies.sweep`, :mod:`sim.studies.sweep_ray`); they are ranked by it.
+   Each layout goes in once: its fastest variant by the estimate, or among those within
+   :data:`TIE_FRACTION` of it the one that needs the least memory.
 
 Stages 4 and 5 append every run to a JSONL log in ``moesim sweep``'s format (:class:`~sim.studies.sweep.RunLog`:
 its header names the plan; each line a candidate's overrides, plus ``plan.fidelity``): the same command
@@ -36,7 +38,7 @@ from typing import Any
 from sim.errors import InputError
 from sim.inputs.scenario import Scenario
 from sim.reports.progress import part, report, reporting
-from sim.studies.plan_base import PlanBase, candidate_scenario, memory_record, states_exceed
+from sim.studies.plan_base import PlanBase, candidate_scenario, fits, memory_record, states_exceed
 from sim.studies.plan_screen import Screen
 from sim.studies.plan_space import Candidate, enumerate_space, short_label
 from sim.studies.sweep import RunLog, point_key, read_log
@@ -75,7 +77,7 @@ def prune(base: PlanBase, candidates: list[Candidate]) -> tuple[list[Fit], Count
     micro-batch only where the smaller one fit (activations grow with the tokens)."""
     invalid: Counter = Counter()
     no_fit: Counter = Counter()
-    fits: list[Fit] = []
+    kept: list[Fit] = []
     groups: dict[tuple, list[Candidate]] = defaultdict(list)
     for c in candidates:
         groups[(c.tp, c.cp, c.pp, c.vpp, c.ep, c.etp, c.dp, c.split, c.framework)].append(c)
@@ -90,7 +92,7 @@ def prune(base: PlanBase, candidates: list[Candidate]) -> tuple[list[Fit], Count
                 invalid[exc.field or exc.message.split(":")[0]] += 1
                 continue
             if states_over is None:
-                states_over = states_exceed(s)
+                states_over = states_exceed(s, base.headroom_GiB)
             if states_over:
                 no_fit["parameters and optimizer states alone"] += 1
                 continue
@@ -99,19 +101,19 @@ def prune(base: PlanBase, candidates: list[Candidate]) -> tuple[list[Fit], Count
                 smaller = mem.get((c.micro_batch_size // 2, c.recompute), {}) if c.micro_batch_size > 1 else {}
                 mem[key] = None if smaller is None else memory_record(s)
             rec = mem[key]
-            if rec is None or not rec["fits"]:
+            if rec is None or not fits(rec, base.headroom_GiB):
                 mem[key] = None
                 no_fit["with activations"] += 1
                 continue
-            fits.append(Fit(c, s, rec))
-    return fits, invalid, no_fit
+            kept.append(Fit(c, s, rec))
+    return kept, invalid, no_fit
 
 
-def shortlist(fits: list[Fit], n: int) -> list[Fit]:
+def shortlist(fitting: list[Fit], n: int) -> list[Fit]:
     """The best layouts by the closed form, each with up to :data:`VARIANTS_PER_LAYOUT` of its best
     variants, until ``n`` candidates."""
     by_layout: dict[tuple, list[Fit]] = defaultdict(list)
-    for f in sorted(fits, key=lambda f: (f.screen_s, f.candidate.key())):
+    for f in sorted(fitting, key=lambda f: (f.screen_s, f.candidate.key())):
         by_layout[layout_key(f.candidate)].append(f)
     out: list[Fit] = []
     for variants in by_layout.values():  # in order of each layout's best variant
@@ -293,13 +295,13 @@ def run_plan(base: PlanBase, *, top: int = 10, shortlist_size: int | None = None
     resumed = 0
     with reporting("plan", enabled=progress), contextlib.closing(log):
         candidates, dropped = enumerate_space(base.shape, base.space)
-        with part(0, 4, "prune"):
-            fits, invalid, no_fit = prune(base, candidates)
+        with part(0, 3, "prune"):
+            fitting, invalid, no_fit = prune(base, candidates)
         timing["prune"] = time.perf_counter() - clock
         screen = Screen(base.scenario)
-        for f in fits:
+        for f in fitting:
             f.screen_s = screen.step(f.scenario).step_time_s
-        short = shortlist(fits, n_short)
+        short = shortlist(fitting, n_short)
         timing["screen"] = time.perf_counter() - clock - timing["prune"]
 
         def stage(index: int, kind: str, chosen: list[Fit], fn: Callable | None) -> dict[int, dict[str, Any]]:
@@ -320,7 +322,7 @@ def run_plan(base: PlanBase, *, top: int = 10, shortlist_size: int | None = None
                 out[i] = rec
                 report(len(out), chosen[i].candidate.label)
 
-            with part(index, 4, f"{kind} runs", total=len(chosen)):
+            with part(index, 3, f"{kind} runs", total=len(chosen)):
                 _run(fn, todo, backend, jobs, address, on_result)
             return out
 
@@ -345,10 +347,11 @@ def run_plan(base: PlanBase, *, top: int = 10, shortlist_size: int | None = None
         "candidates": len(candidates),
         "invalid": dict(sorted(invalid.items())),
         "do_not_fit": dict(sorted(no_fit.items())),
-        "fit": len(fits),
-        "not_shortlisted": len(fits) - len(short),
+        "fit": len(fitting),
+        "not_shortlisted": len(fitting) - len(short),
         "estimated": len(short),
         "simulated": len(chosen_idx),
+        "refused_by_resource_guard": min(top, len(ranked)) - len(chosen_idx),
     }
     timing["total"] = time.perf_counter() - clock
     s = base.scenario
@@ -362,6 +365,7 @@ def run_plan(base: PlanBase, *, top: int = 10, shortlist_size: int | None = None
         "global_batch": base.space.global_batch,
         "seq_len": base.space.seq_len,
         "dtype": s.training.dtype,
+        "headroom_GiB": base.headroom_GiB,
         "space": _space_doc(base, candidates),
         "counts": counts,
         "plans": plans,

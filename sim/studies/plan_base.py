@@ -43,6 +43,7 @@ class PlanBase:
     model_file: str
     model_sha256: str
     options: list[str]  # the plan's inputs as path=value strings (the log's "set")
+    headroom_GiB: float = 0.0  # memory per GPU kept free beyond the memory model's peak
 
     @property
     def shape(self) -> ModelShape:
@@ -107,7 +108,7 @@ def _choices(given: tuple[str, ...] | None, default: str, allowed: tuple[str, ..
 def build_base(model: str | Path, topology: str, gpus: int, *, global_batch: int | None = None,
                seq_len: int | None = None, dtype: str | None = None, frameworks: tuple[str, ...] | None = None,
                dispatchers: tuple[str, ...] | None = None, policies: tuple[str, ...] | None = None,
-               recomputes: tuple[str, ...] | None = None) -> PlanBase:  # fmt: skip
+               recomputes: tuple[str, ...] | None = None, headroom_GiB: float = 0.0) -> PlanBase:  # fmt: skip
     """The base scenario and search space of a plan (bad input: :class:`InputError` naming the option)."""
     from sim.inputs.sections import parse_policy
     from sim.studies.plan_space import DISPATCHERS, FRAMEWORKS, RECOMPUTES
@@ -144,8 +145,12 @@ def build_base(model: str | Path, topology: str, gpus: int, *, global_batch: int
         except ValueError as exc:
             raise InputError(str(exc), field="--policy") from None
     rec = _choices(recomputes, "none", RECOMPUTES, "--recompute") if recomputes else RECOMPUTES
+    if not 0 <= headroom_GiB < topo.gpu.hbm_GiB:
+        raise InputError(f"must be at least 0 and below the GPU's {topo.gpu.hbm_GiB:g} GiB, got {headroom_GiB:g}",
+                         field="--headroom")  # fmt: skip
     t.update({"micro_batch_size": 1, "grad_accum_steps": 1, "global_batch_size": None, "seq_len": seq,
               "framework": fw[0]})  # fmt: skip
+    t.pop("recompute_num_layers", None)  # recompute is searched whole (none / selective / full of every layer)
     if dtype:
         t["dtype"] = dtype
     if not is_scenario:
@@ -162,9 +167,9 @@ def build_base(model: str | Path, topology: str, gpus: int, *, global_batch: int
     options = [f"plan.topology={topo_name}", f"plan.gpus={gpus}", f"training.global_batch_size={global_batch}",
                f"training.seq_len={seq}", f"training.dtype={scenario.training.dtype}",
                f"plan.frameworks={','.join(fw)}", f"plan.dispatchers={','.join(disp)}", f"plan.policies={','.join(pols)}",
-               f"plan.recomputes={','.join(rec)}"]  # fmt: skip
+               f"plan.recomputes={','.join(rec)}", f"plan.headroom_GiB={headroom_GiB:g}"]  # fmt: skip
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    return PlanBase(scenario, space, str(path), digest, options)
+    return PlanBase(scenario, space, str(path), digest, options, headroom_GiB)
 
 
 def _scenario_batch(data: dict[str, Any], base_dir: Path) -> int | None:
@@ -210,9 +215,14 @@ def memory_record(s: Scenario) -> dict[str, Any]:
     return stage_memory_record(s)
 
 
-def states_exceed(s: Scenario) -> bool:
+def fits(memory: dict[str, Any], headroom_GiB: float = 0.0) -> bool:
+    """Whether a ``memory`` record fits the GPU with ``headroom_GiB`` kept free."""
+    return bool(memory["fits"]) and memory["peak_GiB_per_gpu"] <= memory["capacity_GiB"] - headroom_GiB
+
+
+def states_exceed(s: Scenario, headroom_GiB: float = 0.0) -> bool:
     """Whether some pipeline stage's weights, gradients and optimizer states alone exceed the GPU's
-    memory (then no micro-batch size or recompute makes the layout fit)."""
+    memory less ``headroom_GiB`` (then no micro-batch size or recompute makes the layout fit)."""
     from sim.model.memory import GiB, memory_per_gpu
     from sim.model.stage_memory import memory_per_stage
 
@@ -221,8 +231,8 @@ def states_exceed(s: Scenario) -> bool:
         stages = [memory_per_gpu(s)]
     else:
         stages = memory_per_stage(s)
-    return any(b.weights + b.gradients + b.optimizer_states > b.capacity_GiB * GiB for b in stages)
+    return any(b.weights + b.gradients + b.optimizer_states > (b.capacity_GiB - headroom_GiB) * GiB for b in stages)
 
 
-__all__ = ["DEFAULT_GLOBAL_BATCH", "DEFAULT_SEQ_LEN", "PlanBase", "build_base", "candidate_scenario", "is_hf_config",
+__all__ = ["DEFAULT_GLOBAL_BATCH", "DEFAULT_SEQ_LEN", "PlanBase", "build_base", "candidate_scenario", "fits", "is_hf_config",
            "memory_record", "states_exceed"]

@@ -10,8 +10,8 @@ rank sends inside and outside its NVLink domain (DeepEP/hierarchical/HybridEP: a
 fabric once per destination node and NVLink once per destination rank), pipeline sends. The
 pipeline composes them as ``m t_max + (sum_r t_r - t_max) / vpp`` (1F1B's fill and drain, divided by
 the chunks under interleaving) plus the sends along it; the tail is the optimizer on the shard and
-the gradient reduction of the last chunk. No contention, no barriers, no imbalance: a ranking aid,
-never reported as a result.
+the gradient reduction of the last chunk. No contention, no barriers, no imbalance, and the routing
+policy plays no part (the estimate tells policies apart): a ranking aid, never reported as a result.
 """
 
 from __future__ import annotations

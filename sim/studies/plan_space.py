@@ -109,8 +109,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        """``tp2 pp8 vpp4 ep32 dp16 mbs1 selective deepep`` (degrees of 1 and the single-valued
-        knobs left out by :func:`short_label`)."""
+        """``tp2 pp8 vpp4 ep32 dp16 mbs1 selective deepep megatron topk``: the degrees above 1, dp, the
+        micro-batch size and every knob (:func:`short_label` leaves out those a plan did not search)."""
         return short_label(self, set())
 
     def key(self) -> tuple:
