@@ -22,6 +22,10 @@ Fault injection for the launcher's tests: ``MOESIM_KILL_RANK=r MOESIM_KILL_AT_ST
 ``os._exit(1)`` at the start of step s (``MOESIM_FAULT=hang``: sleep forever instead). With
 ``MOESIM_RUN_DIR`` set (the launcher sets it) each rank writes a heartbeat ``status/rank<r>.json``
 every step, and ``SIGUSR1`` dumps every rank's Python stacks to its stderr (``faulthandler``).
+
+This module holds the command line and the training loop; the rank's preflight, heartbeat and fault
+injection are :mod:`hw_validate.train_rank`'s, the profiler of ``--profile`` is
+:mod:`hw_validate.train_profiler`'s (their public names stay importable from here).
 """
 
 from __future__ import annotations
@@ -33,19 +37,18 @@ import json
 import logging
 import os
 import signal
-import statistics
 import sys
-import time
 import warnings
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script by deepspeed/torchrun
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from hw_validate.train_profiler import PROFILER_COST_MAX, start_profiler  # noqa: E402, F401  (re-exported)
+from hw_validate.train_rank import Heartbeat, _threads, inject_fault, preflight  # noqa: E402
 from sim.api import load_scenario  # noqa: E402
 from sim.errors import InputError  # noqa: E402
 from sim.inputs.scenario import Scenario  # noqa: E402
-from sim.ioutil import atomic_write_text  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -65,40 +68,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--profile-steps", type=int, default=3, metavar="N", help="steps the profiler records (default 3)")
     ap.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return ap.parse_args(argv)
-
-
-class Heartbeat:
-    """``$MOESIM_RUN_DIR/status/rank<r>.json``: pid, step and time, rewritten every step."""
-
-    def __init__(self, rank: int):
-        run_dir = os.environ.get("MOESIM_RUN_DIR")
-        self.path = Path(run_dir) / "status" / f"rank{rank}.json" if run_dir else None
-        self.rank = rank
-
-    def beat(self, step: int | None, state: str) -> None:
-        if self.path is not None:
-            rec = {"rank": self.rank, "pid": os.getpid(), "step": step, "state": state, "time": time.time()}
-            atomic_write_text(self.path, json.dumps(rec) + "\n")
-
-
-def inject_fault(rank: int, step: int) -> None:
-    """``MOESIM_KILL_RANK`` / ``MOESIM_KILL_AT_STEP`` / ``MOESIM_FAULT`` (exit | hang)."""
-    if os.environ.get("MOESIM_KILL_RANK") != str(rank) or os.environ.get("MOESIM_KILL_AT_STEP", "0") != str(step):
-        return
-    if os.environ.get("MOESIM_FAULT", "exit") == "hang":
-        print(f"[rank {rank}] fault injection: hanging at step {step}", flush=True)
-        while True:
-            time.sleep(3600)
-    print(f"[rank {rank}] fault injection: exiting with status 1 at step {step}", flush=True)
-    os._exit(1)
-
-
-def _threads(accelerator: str) -> None:
-    import torch
-
-    if accelerator == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, local)))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,31 +94,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"train_moe: error: {why}", file=sys.stderr, flush=True)
         return 2
     return _run(args, scenario, notices, steps, warmup)
-
-
-def preflight() -> str | None:
-    """Why this rank cannot run here (None if it can): DeepSpeed or torch missing, or the CUDA
-    accelerator asked for (``DS_ACCELERATOR=cuda``, or picked by DeepSpeed) without a GPU for every
-    local rank. Said in one line before DeepSpeed fails deeper down with a longer story."""
-    for name in ("torch", "deepspeed"):
-        try:
-            __import__(name)
-        except ImportError as exc:
-            return (f"{name} cannot be imported by {sys.executable} ({exc}); install the hw extra: "
-                    f"pip install torch==2.13.0 && pip install -e '.[hw]'")  # fmt: skip
-    import torch
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cuda":
-        return None
-    local = int(os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("WORLD_SIZE") or 1)
-    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if have >= local:
-        return None
-    built = f"CUDA {torch.version.cuda}" if torch.version.cuda else "a CPU-only build"
-    return (f"the CUDA accelerator is selected (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR', 'auto')}) but torch "
-            f"{torch.__version__} ({built}) sees {have} GPU(s) for {local} local ranks: run on a node with {local} "
-            f"GPUs, launch fewer ranks, or set DS_ACCELERATOR=cpu for CPU ranks on gloo")  # fmt: skip
 
 
 def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps: int, warmup: int) -> int:
@@ -340,65 +284,6 @@ def _run(args: argparse.Namespace, scenario: Scenario, notices: list[str], steps
     beat.beat(steps, "done")
     dist.destroy_process_group()
     return 0
-
-
-#: the largest share of a profiled step taken as the profiler's cost: on cpu-2rank (2 gloo ranks,
-#: ~4,700 recorded ops a step) it cost ~20% on quiet steps (2026-12-07); larger differences between
-#: the profiled steps and the others came with the machine's load changing (up to 2x a minute here)
-PROFILER_COST_MAX = 0.3
-
-
-class _Profiler:
-    """``torch.profiler`` around ``active`` steps after the job's warm-up (``--profile DIR``): CPU ops
-    with their input shapes (``record_shapes``), and the device's kernels on GPUs, written as
-    Chrome/Kineto JSON to ``DIR/rank-<r>.json`` -- what ``moesim calibrate --from-profile`` reads.
-    ``step()`` ends a training step (one ``ProfilerStep#N`` range per recorded step)."""
-
-    def __init__(self, out: Path, rank: int, accelerator: str, wait: int, active: int):
-        import torch.profiler as tp
-
-        self.path = out / f"rank-{rank}.json"
-        self.wait, self.active = wait, active
-        acts = [tp.ProfilerActivity.CPU] + ([tp.ProfilerActivity.CUDA] if accelerator == "cuda" else [])
-        self.prof = tp.profile(activities=acts, record_shapes=True,
-                               schedule=tp.schedule(wait=wait, warmup=1, active=active, repeat=1),
-                               on_trace_ready=self._write)  # fmt: skip
-        self.prof.start()
-
-    def _write(self, prof) -> None:
-        prof.export_chrome_trace(str(self.path))
-
-    def step(self) -> None:
-        self.prof.step()
-
-    def stop(self) -> None:
-        self.prof.stop()
-
-    def annotate(self, step_s: list[float], warmup: int) -> float:
-        """Write into the trace (top-level ``moesim``) what the profiler cost this rank a step: the
-        median of the profiled steps' timer less that of the other measured steps, from 0 to
-        :data:`PROFILER_COST_MAX` of the profiled steps (beyond, the machine's load moved between the
-        steps), which ``--from-profile`` takes off the trace's windows; returns it (seconds)."""
-        profiled = range(self.wait + 1, self.wait + 1 + self.active)
-        on = [t for i, t in enumerate(step_s) if i in profiled]
-        off = [t for i, t in enumerate(step_s) if i >= warmup and i not in profiled]
-        cost = 0.0
-        if on and off:
-            cost = min(max(0.0, statistics.median(on) - statistics.median(off)), PROFILER_COST_MAX * statistics.median(on))
-        doc = json.loads(self.path.read_text())
-        doc["moesim"] = {"profiler_cost_per_step_s": cost, "profiled_steps": list(profiled),
-                         "profiled_step_s": on, "unprofiled_step_s": off}  # fmt: skip
-        atomic_write_text(self.path, json.dumps(doc))
-        return cost
-
-
-def start_profiler(out: str, rank: int, accelerator: str, steps: int, warmup: int, active: int) -> _Profiler:
-    """The profiler of ``--profile``: the last warm-up step warms it up, then it records up to
-    ``active`` measured steps (all of them when fewer)."""
-    d = Path(out)
-    d.mkdir(parents=True, exist_ok=True)
-    wait = max(0, warmup - 1)
-    return _Profiler(d, rank, accelerator, wait, max(1, min(active, steps - wait - 1)))
 
 
 def _upcycle_check(engine, scenario: Scenario, blob: dict, task, rank: int, device, seed: int) -> dict:
