@@ -141,6 +141,7 @@ class _Reporter:
         self.total = total
         self.prefix = f"{self.prefix} > {label}" if self.prefix and label else (label or self.prefix)
         self.fraction, self.label = self.lo, ""
+        self._draw()  # a new part shows at once, however short the tick before it ends
         return outer
 
     def pop(self, outer: tuple) -> None:
@@ -158,28 +159,39 @@ class _Reporter:
 
     # -- the drawing thread ----------------------------------------------------------------------
     def start(self) -> None:
+        if self.delay_s <= 0:
+            self._open()  # no delay: the bar shows before the work starts
         self.thread.start()
 
     def stop(self) -> None:
         self.stop_event.set()
         self.thread.join()
         if self.bar is not None:
+            self._draw()  # the final state, however short the last tick
             with self.lock:
                 self.bar.close()  # leave=False: the line is erased
 
-    def _run(self) -> None:
-        if self.stop_event.wait(self.delay_s):
-            return
+    def _open(self) -> None:
         from tqdm import tqdm
 
         with self.lock:
-            self.bar = tqdm(total=1.0, desc=self.desc, file=self.stream, leave=False, dynamic_ncols=True,
-                            bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}{postfix}")  # fmt: skip
-        while True:
-            with self.lock:
+            if self.bar is None:
+                self.bar = tqdm(total=1.0, desc=self.desc, file=self.stream, leave=False, dynamic_ncols=True,
+                                bar_format="{desc}: {percentage:3.0f}%|{bar}| {elapsed}{postfix}")  # fmt: skip
+
+    def _draw(self) -> None:
+        with self.lock:
+            if self.bar is not None:
                 self.bar.n = self.fraction
                 self.bar.set_postfix_str(self._postfix(), refresh=False)
                 self.bar.refresh()
+
+    def _run(self) -> None:
+        if self.bar is None and self.stop_event.wait(self.delay_s):
+            return
+        self._open()
+        while True:
+            self._draw()
             if self.stop_event.wait(TICK_S):
                 return
 
