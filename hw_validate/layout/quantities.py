@@ -184,6 +184,9 @@ def summarise_pipeline(steps: list[dict[str, Any]]) -> dict[str, Any]:
 # ---- tensor parallel -----------------------------------------------------------------------------
 #: regions whose TP collectives the simulator models (each layer's attention and MLP)
 LAYER_REGIONS = ("attention", "mlp")
+#: the job's regions outside the layers under the simulator's unit names: its output unit holds the
+#: LM head and the vocab-parallel loss
+OUTER_REGION = {"head": "output", "loss": "output"}
 
 
 def _collective_rows(per_rank: list[list[dict]]) -> list[dict]:
@@ -215,7 +218,8 @@ def _tp_step(step_s: float, calls: list[dict], windows: list[dict], world: int) 
     outer: dict[str, float] = defaultdict(float)
     for c in calls:
         if c["region"] not in LAYER_REGIONS:
-            outer[f"{c['kind']}:{c['region']}:{c['phase']}"] += c["rank_s"]
+            region = OUTER_REGION.get(c["region"], c["region"])
+            outer[f"{c['kind']}:{region}:{c['phase']}"] += c["rank_s"]
     compute: dict[str, list[float]] = defaultdict(list)
     for w in windows:
         compute[f"{w['region']}:{w['phase']}"].append(w["compute_s"])
