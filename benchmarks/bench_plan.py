@@ -193,9 +193,8 @@ def _md(record: dict) -> str:
                  f"{pub['estimated_layouts_faster'] + 1} or below; the closed form puts it at layout "
                  f"{pub.get('screen_layout_rank')} of {pub.get('screen_layouts')}")  # fmt: skip
         diff = ", ".join(f"{k} {v:+.2f} s" for k, v in sorted(c["breakdown_difference_s"].items(), key=lambda kv: kv[1]) if abs(v) >= 0.05)
-        lines += ["", f"Published layout ({lay}): simulated {pub['step_time_s']:.3f} s, measured "
-                  f"{pub['measured_step_time_s']:.3f} s "
-                  f"({pub['tokens_per_s_per_gpu']:,.0f} tokens/s/GPU, {pub['memory_GiB']:.1f} GiB); in the plan: {where}.",
+        lines += ["", f"Published layout ({lay}): simulated {pub['step_time_s']:.3f} s ({pub['tokens_per_s_per_gpu']:,.0f} "
+                  f"tokens/s/GPU, {pub['memory_GiB']:.1f} GiB), measured {pub['measured_step_time_s']:.3f} s; in the plan: {where}.",
                   "", f"Best found: {best['label']}, {best['step_time_s']:.3f} s, {c['speedup_over_published']:.3f}x the "
                   f"published layout, {best['memory_GiB']:.1f} GiB. Breakdown, best minus published: {diff}.", ""]  # fmt: skip
         note = NOTES.get(c["case"])

@@ -22,7 +22,7 @@ def plot_plan(path: str | Path, doc: dict[str, Any]) -> Path:
     from sim.studies.plan import constant_knobs, label_of
 
     plt = pyplot()
-    fig, ax = plt.subplots(figsize=(9.5, 6))
+    fig, ax = plt.subplots(figsize=(12.5, 6))
     est = [(e["memory"]["peak_GiB_per_gpu"], e["tokens_per_s_per_gpu"]) for e in doc["estimates"]]
     des = [(p["memory"]["peak_GiB_per_gpu"], p["tokens_per_s_per_gpu"]) for p in doc["plans"]]
     if est:
@@ -36,9 +36,12 @@ def plot_plan(path: str | Path, doc: dict[str, Any]) -> Path:
                 label="Pareto front (DES where simulated, else estimate)")
     if des:
         const = constant_knobs(doc)
-        for p in doc["plans"][:3]:
-            ax.annotate(f"{p['rank']}: {label_of(p, const)}", (p["memory"]["peak_GiB_per_gpu"], p["tokens_per_s_per_gpu"]),
-                        fontsize=7, xytext=(4, 4), textcoords="offset points")  # fmt: skip
+        for p in doc["plans"]:
+            ax.annotate(str(p["rank"]), (p["memory"]["peak_GiB_per_gpu"], p["tokens_per_s_per_gpu"]), fontsize=7,
+                        xytext=(3, 3), textcoords="offset points")  # fmt: skip
+        names = "\n".join(f"{p['rank']:>2}: {label_of(p, const)}" for p in doc["plans"])
+        ax.text(1.02, 1.0, "ranked by the DES\n" + names, transform=ax.transAxes, fontsize=7, va="top", ha="left",
+                family="monospace")  # fmt: skip
     cap = next((p["memory"].get("capacity_GiB") for p in [*doc["plans"], *doc["estimates"]]), None)
     if cap:
         ax.axvline(cap, color="0.3", ls="--", lw=0.8, label=f"GPU memory ({cap:g} GiB)")
@@ -48,7 +51,7 @@ def plot_plan(path: str | Path, doc: dict[str, Any]) -> Path:
     ax.legend(fontsize=8, loc="lower right")
     ax.set_title(f"{doc['model']} on {doc['gpus']} x {doc['gpu']}: global batch {doc['global_batch']} x {doc['seq_len']}",
                  fontsize=10)  # fmt: skip
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.07, right=0.68, bottom=0.1, top=0.93)
     return save_png(fig, path)
 
 
