@@ -38,7 +38,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleIn
 from torch.distributed.pipelining import schedules as pp_schedules
 
 from hw_validate.data import NextTokenTask, split
-from hw_validate.layout.timeline import Recorder, clock, collective_sweep, finish, log, parse_args, start
+from hw_validate.layout.timeline import Recorder, clock, collective_sweep, end, finish, log, parse_args, start
 from hw_validate.model import build_model
 from sim.inputs.stages import VirtualStage, stage_layers
 
@@ -229,8 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                     "embedding": vs.embedding, "head": vs.head} for vs in stage_layers(s)],
     }  # fmt: skip
     finish(args, "pipeline", s, rec, config, losses, warmup, p2p_sweep(send))
-    dist.destroy_process_group()
-    return 0
+    return end(rec)
 
 
 if __name__ == "__main__":

@@ -17,12 +17,13 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
 
 from hw_validate.layout.record import FORMAT, VERSION
+from hw_validate.train_rank import Heartbeat
 from sim.api import load_scenario
 from sim.inputs.scenario import Scenario
 from sim.ioutil import atomic_write_text, dumps_json
@@ -64,8 +65,12 @@ class Recorder:
 
     def __init__(self) -> None:
         self.steps: list[list[list]] = []
+        # $MOESIM_RUN_DIR/status/rank<r>.json: a failed job's diagnosis names the step a rank died in
+        self.heartbeat = Heartbeat(dist.get_rank())
+        self.heartbeat.beat(None, "init")
 
     def begin_step(self) -> float:
+        self.heartbeat.beat(len(self.steps), "step")
         dist.barrier()
         t = clock()
         self.steps.append([])
@@ -123,6 +128,7 @@ def finish(args: argparse.Namespace, job: str, s: Scenario, rec: Recorder, confi
            losses: list[float], warmup: int, sweep: list[dict[str, Any]] | None = None) -> None:  # fmt: skip
     """Gather every rank's spans to rank 0; rank 0 writes ``OUT/measurement.json`` with each step's
     spans relative to its origin (the earliest rank's ``step_start``)."""
+    rec.heartbeat.beat(len(rec.steps), "writing")
     world = dist.get_world_size()
     every: list[Any] = [None] * world
     dist.all_gather_object(every, rec.steps)
@@ -147,10 +153,22 @@ def finish(args: argparse.Namespace, job: str, s: Scenario, rec: Recorder, confi
     atomic_write_text(out / MEASUREMENT_FILE, dumps_json(data))
 
 
+def end(rec: Recorder) -> NoReturn:
+    """Leave the process group and end the rank's process at once: everything is written, and
+    skipping the interpreter's teardown keeps C++ worker threads of gloo and the functional
+    collectives from aborting the exit ("terminate called without an active exception", seen
+    once on a loaded machine) after a successful job."""
+    dist.destroy_process_group()
+    rec.heartbeat.beat(len(rec.steps), "done")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def log(msg: str) -> None:
     if dist.get_rank() == 0:
         print(msg, flush=True)
         sys.stdout.flush()
 
 
-__all__ = ["MEASUREMENT_FILE", "Recorder", "clock", "collective_sweep", "finish", "log", "parse_args", "start"]
+__all__ = ["MEASUREMENT_FILE", "Recorder", "clock", "collective_sweep", "end", "finish", "log", "parse_args", "start"]

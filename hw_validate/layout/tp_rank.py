@@ -49,7 +49,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from hw_validate.data import NextTokenTask, split
-from hw_validate.layout.timeline import Recorder, clock, collective_sweep, finish, log, parse_args, start
+from hw_validate.layout.timeline import Recorder, clock, collective_sweep, end, finish, log, parse_args, start
 from hw_validate.model import GatedMLP, PlainMLP, build_model
 
 _COLLECTIVES = {"all_gather_single": "tp_all_gather", "reduce_scatter_single": "tp_reduce_scatter",
@@ -258,8 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     }  # fmt: skip
     timed.uninstall()
     finish(args, "tensor_parallel", s, rec, config, losses, warmup, tp_sweep(mesh, act, p.tp))
-    dist.destroy_process_group()
-    return 0
+    return end(rec)
 
 
 if __name__ == "__main__":
