@@ -131,8 +131,13 @@ def test_in_flight_micro_batches_per_schedule():
     v = load_scenario(BIG, ["parallelism.pp=4", "parallelism.vpp=2", "training.grad_accum_steps=8"])
     assert [in_flight(v, r) for r in range(4)] == [(3 * 2 + 4 + 1) / 2, (2 * 2 + 4 + 1) / 2, (2 + 4 + 1) / 2, 5 / 2]
     d = load_scenario(BIG, ["parallelism.pp=4", "parallelism.pp_schedule=dualpipe", "training.grad_accum_steps=8"])
-    assert in_flight(d, 0) == 5  # DeepSeek-V3 table 2: PP + 1
+    # DeepSeek-V3 table 2: PP + 1 micro-batches of one stage, the rank's two stages (r, pp-1-r) counted once
+    assert in_flight(d, 0) == 5 / 2
     stages = memory_per_stage(s)
     assert stages[0].activations > stages[-1].activations - stages[-1].activations // 2  # more in flight first
     dual = memory_per_stage(d)
     assert dual[0].weights > stages[0].weights  # DualPipe holds two stages' parameters
+    # ... and PP + 1 = 5 stage-micro-batches of activations where 1F1B's first stage holds PP = 4
+    # (rank 0 also runs the last stage: its fp32 logits, one micro-batch at a time)
+    logits = d.training.micro_batch_size * d.training.seq_len * d.model.vocab_size * 4
+    assert dual[0].activations - logits == pytest.approx(5 / 4 * stages[0].activations, rel=0.02)

@@ -34,12 +34,14 @@ from sim.model.params import count_params, layer_params
 
 
 def in_flight(s: Scenario, rank: int) -> float:
-    """Micro-batches' worth of one stage's activations the pipeline keeps alive at its peak."""
+    """Micro-batches' worth of the rank's layers (all its chunks) whose activations the pipeline
+    keeps alive at its peak."""
     p, m = s.parallelism, s.training.grad_accum_steps
     if p.pp == 1:
         return 1.0
     if p.schedule == "dualpipe":
-        return float(min(p.pp + 1, m))
+        # DeepSeek-V3 table 2: PP + 1 micro-batches of one stage; a rank runs two stages (r, pp-1-r)
+        return min(p.pp + 1, m) / 2
     if p.schedule == "interleaved" and p.vpp > 1:
         chunks = min((p.pp - rank - 1) * 2 + (p.vpp - 1) * p.pp + 1, m * p.vpp)
         return chunks / p.vpp
