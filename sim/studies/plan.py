@@ -41,7 +41,7 @@ from sim.reports.progress import part, report, reporting
 from sim.studies.plan_base import PlanBase, candidate_scenario, fits, memory_record, states_exceed
 from sim.studies.plan_screen import Screen
 from sim.studies.plan_space import Candidate, enumerate_space, short_label
-from sim.studies.sweep import RunLog, point_key, read_log
+from sim.studies.sweep import RunLog, map_local, point_key, read_log
 
 #: micro-batch / recompute variants of one layout that the screen may send to the estimate
 VARIANTS_PER_LAYOUT = 2
@@ -188,38 +188,6 @@ def compact(result: dict[str, Any]) -> dict[str, Any]:
     if folded:
         out["folded"] = {k: folded[k] for k in ("lanes_total", "lanes_simulated") if k in folded}
     return out
-
-
-def map_local(fn: Callable, jobs: list[tuple[int, Scenario]], workers: int,
-              on_result: Callable[[int, dict[str, Any]], None]) -> None:  # fmt: skip
-    """``fn(scenario)`` for each job, in this process (``workers == 1``) or on a spawned process pool
-    (the estimate pass; the DES runs go through :func:`sim.studies.sweep.run_local`)."""
-    if workers <= 1 or len(jobs) <= 1:
-        for j, (i, s) in enumerate(jobs):
-            with part(j, len(jobs)):
-                result = fn(s)
-            on_result(i, result)
-        return
-    import multiprocessing as mp
-    from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-
-    from sim.studies.sweep import _ignore_sigint
-
-    pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=mp.get_context("spawn"),
-                               initializer=_ignore_sigint)  # fmt: skip
-    try:
-        pending = {pool.submit(fn, s): i for i, s in jobs}
-        while pending:
-            done, _ = wait(pending, return_when=FIRST_COMPLETED)
-            for fut in done:
-                on_result(pending.pop(fut), fut.result())
-    except BaseException:
-        procs = list(getattr(pool, "_processes", {}).values())
-        pool.shutdown(wait=False, cancel_futures=True)
-        for p in procs:
-            p.terminate()
-        raise
-    pool.shutdown()
 
 
 # ---- results -------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -261,15 +262,14 @@ def _ignore_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
-def run_local(
-    jobs: list[tuple[int, Scenario]], engine: str, comm_model: str, workers: int,
-    on_result: Callable[[int, dict[str, Any]], None],
-) -> None:  # fmt: skip
-    """Run ``jobs`` (index, scenario) in-process (``workers == 1``) or on a spawned process pool."""
+def map_local(fn: Callable[[Scenario], dict[str, Any]], jobs: list[tuple[int, Scenario]], workers: int,
+              on_result: Callable[[int, dict[str, Any]], None]) -> None:  # fmt: skip
+    """``fn(scenario)`` for each job (index, scenario), in this process (``workers == 1``) or on a
+    spawned process pool (``fn`` picklable); ``on_result(index, result)`` as each finishes."""
     if workers <= 1 or len(jobs) <= 1:
         for j, (i, s) in enumerate(jobs):
             with part(j, len(jobs)):  # the engine's progress inside run j of the bar
-                result = run_point(s, engine, comm_model)
+                result = fn(s)
             on_result(i, result)
         return
     import multiprocessing as mp
@@ -278,7 +278,7 @@ def run_local(
     pool = ProcessPoolExecutor(max_workers=min(workers, len(jobs)), mp_context=mp.get_context("spawn"),
                                initializer=_ignore_sigint)  # fmt: skip
     try:
-        pending = {pool.submit(run_point, s, engine, comm_model): i for i, s in jobs}
+        pending = {pool.submit(fn, s): i for i, s in jobs}
         while pending:
             done, _ = wait(pending, return_when=FIRST_COMPLETED)
             for fut in done:
@@ -290,6 +290,14 @@ def run_local(
             p.terminate()
         raise
     pool.shutdown()
+
+
+def run_local(
+    jobs: list[tuple[int, Scenario]], engine: str, comm_model: str, workers: int,
+    on_result: Callable[[int, dict[str, Any]], None],
+) -> None:  # fmt: skip
+    """Simulate ``jobs`` (index, scenario) in-process (``workers == 1``) or on a spawned process pool."""
+    map_local(partial(run_point, engine=engine, comm_model=comm_model), jobs, workers, on_result)
 
 
 def run_sweep(
@@ -359,6 +367,7 @@ __all__ = [
     "point_key",
     "product",
     "read_log",
+    "map_local",
     "run_local",
     "run_point",
     "run_sweep",
