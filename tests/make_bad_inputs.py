@@ -3,6 +3,7 @@ the corpus; run ``python tests/make_bad_inputs.py`` after adding a case here).""
 
 import copy
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ sys.path.insert(0, str(ROOT))
 from sim.inputs.router_trace import FORMAT as TFORMAT  # noqa: E402
 from sim.inputs.router_trace import VERSION as TVERSION  # noqa: E402
 
-OUT = ROOT / "tests" / "bad_inputs"
+OUT = Path(os.environ.get("BAD_INPUTS_OUT", ROOT / "tests" / "bad_inputs"))
 shutil.rmtree(OUT, ignore_errors=True)
 for d in ("scenarios", "topologies", "hf", "files"):
     (OUT / d).mkdir(parents=True)
@@ -240,7 +241,7 @@ put(
     "dtype: fp64",
     scen(training__dtype="fp64"),
     "training.dtype",
-    "'bf16', 'fp16' or 'fp32'",
+    "'bf16', 'fp16', 'fp32'",
 )
 put(
     S + "zero_stage_5.yaml",
@@ -363,11 +364,26 @@ put(
     "must divide model.num_experts",
 )
 put(
+    S + "dualpipe_without_pp.yaml",
+    "DualPipe on a single stage",
+    scen(parallelism__pp_schedule="dualpipe"),
+    "parallelism.pp_schedule",
+    "dualpipe needs an even pp >= 2",
+)
+put(
+    S + "dualpipe_with_vpp.yaml",
+    "DualPipe with interleaving chunks",
+    scen(parallelism__pp_schedule="dualpipe", parallelism__pp=2, parallelism__vpp=2, parallelism__ep=8,
+         model__num_layers=4, training__grad_accum_steps=8),
+    "parallelism.pp_schedule",
+    "vpp must be 1",
+)
+put(
     S + "ep_not_dividing_world.yaml",
     "ep 32 on 16 GPUs",
     scen(parallelism__ep=32, model__num_experts=32),
     "parallelism.ep",
-    "must divide the world size",
+    "must divide the world size (16)",
 )
 put(
     S + "dp_not_world.yaml",
@@ -641,8 +657,40 @@ put(
     "greater than or equal to 0",
 )
 
+# ---- GPT-OSS model fields (sliding windows, sinks, biases, the clamped SwiGLU) --------------------------
+for rel, what, changes, field, contains in [
+    ("attention_out_bias_with_mla.yaml", "attention_out_bias on MLA attention",
+     dict(model__attention="mla", model__kv_lora_rank=16, model__qk_nope_head_dim=8, model__qk_rope_head_dim=8,
+          model__v_head_dim=8, model__attention_out_bias=True), "model.attention_out_bias", "mha only"),
+    ("attention_sinks_string.yaml", "attention_sinks: maybe", dict(model__attention_sinks="maybe"),
+     "model.attention_sinks", "valid boolean"),
+    ("attention_sinks_without_attention.yaml", "attention_sinks on a model without attention",
+     dict(model__attention="none", model__attention_sinks=True), "model.attention_sinks", "attention is none"),
+    ("router_logit_bias_dense.yaml", "router_logit_bias on a dense model (no router)",
+     dict(model__num_experts=DEL, model__top_k=DEL, model__moe_ffn_hidden_size=DEL, model__ffn_hidden_size=32,
+          model__router_logit_bias=True, parallelism__ep=1), "model.router_logit_bias", "num_experts > 1"),
+    ("sliding_window_pattern_one.yaml", "sliding_window_pattern: 1",
+     dict(model__sliding_window=8, model__sliding_window_pattern=1), "model.sliding_window_pattern",
+     "greater than or equal to 2"),
+    ("sliding_window_pattern_without_window.yaml", "sliding_window_pattern without sliding_window",
+     dict(model__sliding_window_pattern=2), "model.sliding_window_pattern", "needs sliding_window"),
+    ("sliding_window_without_attention.yaml", "sliding_window on a model without attention",
+     dict(model__attention="none", model__sliding_window=8), "model.sliding_window", "attention is none"),
+    ("sliding_window_zero.yaml", "sliding_window: 0", dict(model__sliding_window=0), "model.sliding_window",
+     "greater than or equal to 1"),
+    ("swiglu_limit_negative.yaml", "swiglu_limit: -7", dict(model__swiglu_limit=-7.0), "model.swiglu_limit",
+     "greater than 0"),
+    ("swiglu_limit_plain_ffn.yaml", "swiglu_limit on a plain (non-gated) FFN",
+     dict(model__ffn_type="plain", model__swiglu_limit=7.0), "model.swiglu_limit", "gated"),
+]:  # fmt: skip
+    put(S + rel, what, scen(**changes), field, contains)
+
 # ---- topologies (each run through a scenario that names it) ------------------------------------------
 T = yaml.safe_load((ROOT / "topologies" / "dgx-h100.yaml").read_text())
+#: the GPU inline, as a topology may still write it (the shipped files name one of topologies/gpus/),
+#: so the corpus damages a GPU's own fields; frozen as the corpus was made
+T["gpu"] = {"kind": "H100-SXM", "peak_TFLOPs": {"fp8": 1979, "bf16": 989, "fp16": 989, "tf32": 494, "fp32": 67},
+            "hbm_bw_GBps": 3350, "hbm_GiB": 79.6, "kernel_launch_us": 4.0}
 
 
 def topo(**changes):
@@ -944,6 +992,19 @@ put(
     "need exactly",
     **W,
 )
+
+# GPT-OSS configs: the real GPT-OSS-20B config.json with one field damaged
+G = json.loads((ROOT / "validation" / "published" / "models" / "GPT-OSS-20B" / "config.json").read_text())
+PAIRS = ["sliding_attention", "full_attention"]
+for rel, changes, field, contains in [
+    ("gpt_oss_layer_types_irregular.json", {"layer_types": ["sliding_attention"] * 3 + ["full_attention"] * 21},
+     "layer_types", "repeating run"),
+    ("gpt_oss_layer_types_short.json", {"layer_types": PAIRS * 10}, "layer_types", "20 entries"),
+    ("gpt_oss_layer_types_unknown.json", {"layer_types": ["chunked_attention"] * 24}, "layer_types",
+     "sliding_attention / full_attention"),
+    ("gpt_oss_swiglu_limit_string.json", {"swiglu_limit": "seven"}, "swiglu_limit", "positive number"),
+]:  # fmt: skip
+    put(H + rel, None, json.dumps({**G, **changes}, indent=1) + "\n", field, contains, wrap="hf")
 
 header = """# The bad-input corpus: every file here must make `moesim check`, `moesim params` and `moesim route`
 # exit 2 with a one-line message that names the file and the field (tests/test_bad_inputs.py).

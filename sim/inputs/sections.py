@@ -100,6 +100,10 @@ class ParallelismConfig(StrictModel):
             raise field_error("vpp", f"vpp ({self.vpp}) needs pipeline stages: pp > 1")
         if self.pp_schedule == "interleaved" and self.vpp == 1:
             raise field_error("pp_schedule", "interleaved needs vpp > 1 virtual chunks per stage")
+        if self.pp_schedule == "dualpipe" and (self.pp < 2 or self.pp % 2):
+            raise field_error("pp_schedule", f"dualpipe needs an even pp >= 2 (two stages per rank), got pp {self.pp}")
+        if self.pp_schedule == "dualpipe" and self.vpp > 1:
+            raise field_error("pp_schedule", f"dualpipe runs its own two chunks per rank: vpp must be 1, got {self.vpp}")
         if self.sequence_parallel and self.tp == 1:
             raise field_error("sequence_parallel", "sequence_parallel needs tp > 1")
         return self
