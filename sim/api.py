@@ -20,7 +20,8 @@ from typing import Any
 
 from sim.errors import InputError
 from sim.hardware.faults import check_faults
-from sim.inputs.scenario import Scenario, parse_scenario, read_scenario
+from sim.inputs.scenario import Scenario
+from sim.inputs.scenario_file import parse_scenario, read_scenario
 
 
 def _checked(scenario: Scenario) -> Scenario:

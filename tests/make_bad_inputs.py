@@ -364,6 +364,13 @@ put(
     "must divide model.num_experts",
 )
 put(
+    S + "mxfp8_on_hopper.yaml",
+    "MXFP8 on H100 (no MX tensor cores)",
+    scen(training__dtype="mxfp8"),
+    "training.dtype",
+    "mxfp8 needs tensor cores for it",
+)
+put(
     S + "dualpipe_without_pp.yaml",
     "DualPipe on a single stage",
     scen(parallelism__pp_schedule="dualpipe"),

@@ -13,7 +13,7 @@ from conftest import ROOT
 from sim.api import scenario_from_dict, simulate
 from sim.cli.main import main
 from sim.errors import InputError
-from sim.inputs.scenario import apply_override
+from sim.inputs.scenario_file import apply_override
 from sim.studies.plan import estimate_point, prune
 from sim.studies.plan_base import build_base, candidate_scenario, memory_record
 from sim.studies.plan_plot import pareto_front

@@ -11,7 +11,8 @@ from typing import Any
 from sim.api import load_scenario
 from sim.cli.common import add_json_argument, add_set_argument
 from sim.errors import InputError
-from sim.inputs.scenario import ModelConfig, Scenario, parse_override
+from sim.inputs.scenario import ModelConfig, Scenario
+from sim.inputs.scenario_file import parse_override
 from sim.inputs.yamlio import read_text, validate_model
 from sim.ioutil import write_json
 

@@ -25,7 +25,8 @@ import yaml
 
 from sim.api import load_scenario
 from sim.errors import InputError
-from sim.inputs.scenario import Scenario, apply_override
+from sim.inputs.scenario import Scenario
+from sim.inputs.scenario_file import apply_override
 from sim.reports.progress import part, report, reporting
 
 JSONL_VERSION = 1
