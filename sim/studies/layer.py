@@ -47,9 +47,11 @@ def layer_program(s: Scenario) -> Program:
     m = s.model
     layer = next((i for i in range(m.num_layers) if m.is_moe_layer(i)), None)
     if layer is None:
-        raise InputError("moesim layer times an MoE layer; this model has none", field="model.num_experts")
+        raise InputError("moesim layer times an MoE layer; this model has none", file=s.source,
+                         field="model.num_experts")  # fmt: skip
     if s.parallelism.pp > 1:
-        raise InputError("moesim layer times one layer on one pipeline stage; set pp: 1", field="parallelism.pp")
+        raise InputError("moesim layer times one layer on one pipeline stage; set pp: 1", file=s.source,
+                         field="parallelism.pp")  # fmt: skip
     layers = _Layers(s)
     fwd = _moe_only(layers.forward(layer))
     bwd = _moe_only(layers.backward(layer, "none"))
