@@ -240,3 +240,14 @@ def test_model_state_memory_per_framework(framework, zero):
 def test_sgd_keeps_four_bytes_of_state_per_sharded_param(framework):
     mem = simulate(_scenario(framework, optimizer="sgd")).memory
     assert mem["optimizer_GiB"] * GiB == pytest.approx((_ceil(NE, DP) + _ceil(EX, EDP)) * 4, rel=1e-12)
+
+
+@pytest.mark.parametrize("framework", ["megatron", "fsdp2"])
+def test_fp32_gradient_reduction_doubles_only_the_gradient_bytes(framework):
+    """``grad_reduce_dtype: fp32``: 4 B per parameter in every reduce-scatter, parameters still gathered in bf16."""
+    bf16, fp32 = (_tally(_comm(simulate(_scenario(framework, **kw), trace_ranks={0})))
+                  for kw in ({}, {"grad_reduce_dtype": "fp32"}))  # fmt: skip
+    rs, ag = ("grad_sync", "reduce_scatter"), ("param_gather", "all_gather")
+    assert fp32[0] == bf16[0]  # the same collectives
+    assert fp32[1][rs] == 2 * bf16[1][rs]
+    assert fp32[1][ag] == bf16[1][ag]
