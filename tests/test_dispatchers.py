@@ -458,8 +458,6 @@ def test_dispatcher_sms_matter_only_with_overlap():
     assert hyb["step_time_s"] > deep["step_time_s"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason="sim/engine/lanes.py _overlap: when K x slowdown > K + C (hidden < 0) "
-                   "the extra time is added to both a2a and compute, so the breakdown exceeds the step")  # fmt: skip
 def test_overlap_slower_than_serial_still_tiles_the_step():
     """With 100 of 132 SMs taken (s = 4.125) the overlapped pair takes K s > K + C: the step grows by
     K s - K - C per pair, and compute + a2a + ... must still add up to the step."""

@@ -316,7 +316,9 @@ class LaneEngine:
         kernels, comm = self._pair.pop(r)
         slow = self._sm_slowdown()
         hidden = kernels + comm - np.maximum(kernels * slow, comm)
-        self.key["a2a"][r] -= np.minimum(hidden, comm)
+        # hidden <= comm always; below 0 (kernels x slowdown > kernels + comm) the pair is longer than
+        # the two in series: the all-to-all hides nothing and the slowed kernels take the extra
+        self.key["a2a"][r] -= np.maximum(hidden, 0.0)
         self.key["compute"][r] += np.maximum(-hidden, 0.0)
         return t - hidden  # (traced spans of the pair stay drawn one after the other)
 
