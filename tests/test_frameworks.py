@@ -215,7 +215,8 @@ def _ceil(a: int, b: int) -> int:
 
 #: weights, gradients, optimizer bytes per GPU (Adam, mixed precision: K = 12 B)
 MEMORY = {
-    ("megatron", 1): ((NE + EX) * BF16, (NE + EX) * 4, (_ceil(NE, DP) + _ceil(EX, EDP)) * 12),
+    # Megatron-Core's grad buffer in the params' dtype unless gradients are reduced in fp32 (below)
+    ("megatron", 1): ((NE + EX) * BF16, (NE + EX) * BF16, (_ceil(NE, DP) + _ceil(EX, EDP)) * 12),
     ("fsdp2", 1): ((_ceil(NE, DP) + _ceil(EX, EDP)) * BF16, (_ceil(NE, DP) + _ceil(EX, EDP)) * BF16,
                    (_ceil(NE, DP) + _ceil(EX, EDP)) * 12),
     ("deepspeed", 0): ((NE + EX) * BF16, (NE + EX) * BF16, (NE + EX) * 12),
@@ -251,3 +252,7 @@ def test_fp32_gradient_reduction_doubles_only_the_gradient_bytes(framework):
     assert fp32[0] == bf16[0]  # the same collectives
     assert fp32[1][rs] == 2 * bf16[1][rs]
     assert fp32[1][ag] == bf16[1][ag]
+    if framework == "megatron":  # its grad buffer follows the reduction's dtype (Megatron-Core main_grad)
+        mem = [simulate(_scenario(framework, **kw)).memory["gradients_GiB"] * GiB
+               for kw in ({}, {"grad_reduce_dtype": "fp32"})]  # fmt: skip
+        assert mem == [pytest.approx((NE + EX) * BF16, rel=1e-12), pytest.approx((NE + EX) * 4, rel=1e-12)]

@@ -104,11 +104,7 @@ def _decimals(x: float) -> int:
 DERIVED = [e["id"] for e in ALL if any(k.endswith("_derived") for k in e["measured"])]
 
 
-@pytest.mark.parametrize("eid", [
-    pytest.param(i, marks=pytest.mark.xfail(reason="D2.yaml: step_time_s_derived 10.042, but its own formula "
-                                            "512 x 4096 / (26112 x 8) is 10.0392")) if i == "D2" else i
-    for i in DERIVED
-])  # fmt: skip
+@pytest.mark.parametrize("eid", DERIVED)
 def test_derived_figures_follow_the_step_convention(eid):
     """``*_derived`` keys are GBS x seq / (tok/s/GPU x GPUs) (or its inverse), rounded as written."""
     e = BY_ID[eid]

@@ -5,8 +5,10 @@ over ``tp`` (column/row-parallel weights; norms, router and shared experts repli
 experts (``E / ep`` per rank, split over ``etp``), the embedding on the first stage and the LM head on
 the last (both split over ``tp``); DualPipe keeps both of a rank's stages (two copies). Sharding by
 framework (:mod:`sim.frameworks.policies`): DeepSpeed's ZeRO stage over dp (experts over edp);
-Megatron's distributed optimizer keeps bf16 weights and an fp32 gradient buffer on every rank and
-shards the fp32 master weights and Adam moments over dp (Megatron-Core ``DistributedOptimizer``);
+Megatron's distributed optimizer keeps bf16 weights and a gradient buffer on every rank (fp32 with
+``grad_reduce_dtype: fp32``, Megatron-LM's default under ``--bf16``; else the params' dtype, as
+Megatron-Core's ``grad_reduce_in_fp32: false``) and shards the fp32 master weights and Adam moments
+over dp (Megatron-Core ``DistributedOptimizer``);
 FSDP2 shards weights, gradients and optimizer states (one gathered block at a time on top).
 
 Activations (Korthikanti et al. 2022 sec. 4.2, as :mod:`sim.model.memory` counts a layer) scale with
@@ -78,9 +80,10 @@ def _states(s: Scenario, ne: int, ex: int) -> tuple[int, int, int, int]:
     k = optimizer_bytes_per_param(storage_dtype(t.dtype), t.optimizer)
     offload = t.offload_optimizer == "cpu"
     dp_shard = s.dp * s.parallelism.cp
-    if t.framework == "megatron":  # bf16 weights + fp32 main grads everywhere, fp32 states sharded
+    if t.framework == "megatron":  # bf16 weights + main grads everywhere, fp32 states sharded
         w = (ne + ex) * wb
-        g = (ne + ex) * FP32_BYTES
+        # Megatron-Core's grad buffer: fp32 when gradients are reduced in fp32, else the params' dtype
+        g = (ne + ex) * (FP32_BYTES if t.grad_reduce_dtype == "fp32" else wb)
         o = ceil_div(ne, dp_shard) * k + ceil_div(ex, s.edp) * k
         return w, g, o, 0
     stage = 3 if t.framework == "fsdp2" else s.parallelism.zero_stage
