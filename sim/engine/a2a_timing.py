@@ -144,7 +144,8 @@ class A2ATiming:
             if self.exact:
                 fin[g] = self._exact(r, g, group, pairs[g] if op.direction == "dispatch" else pairs[g].T, nb, op.direction)
             else:
-                fin[g] = self._estimate(off[g], same[g], inter[g] if hier else None, grank[g])
+                fwd = self._fan_bytes(grank[g].tolist(), off[g], op.direction) if hier else None
+                fin[g] = self._estimate(off[g], same[g], inter[g] if hier else None, grank[g], fwd)
         out = np.zeros(len(q))
         out_sent, out_inter = np.zeros(len(q)), np.zeros(len(q))
         out[sel.reshape(-1)] = fin.reshape(-1)
@@ -235,11 +236,27 @@ class A2ATiming:
         dense[:, i, j] = flow.reshape(g, -1)
         return np.maximum(dense.max(axis=2), dense.max(axis=1))  # a member's sends and receives
 
-    def _estimate(self, off: np.ndarray, same: np.ndarray, node_inter: np.ndarray | None, ranks: np.ndarray) -> np.ndarray:
-        """Per member, ``max(out, in)`` bytes per link class over its path's bandwidth, plus latency."""
+    def _fan_bytes(self, group: list[int], off: np.ndarray, direction: str) -> tuple[np.ndarray, np.ndarray]:
+        """(out, in) bytes per member on the in-node legs of a forwarded all-to-all: the relay that took
+        a sender's tokens off the network passes them on to the node's other destinations (combine:
+        the reverse), the flows of :meth:`_forwarded`."""
+        *_, fan_s, fan_d, fan_r = self._flows.get(("fwd", tuple(group))) or self._flows.setdefault(
+            ("fwd", tuple(group)), self._flow_structure(group))
+        x = off if direction == "dispatch" else off.T  # the dispatch orientation: x[sender, destination]
+        w = x[fan_s, fan_d]
+        n = len(group)
+        relay, dest = np.bincount(fan_r, weights=w, minlength=n), np.bincount(fan_d, weights=w, minlength=n)
+        return (relay, dest) if direction == "dispatch" else (dest, relay)
+
+    def _estimate(self, off: np.ndarray, same: np.ndarray, node_inter: np.ndarray | None, ranks: np.ndarray,
+                  fwd: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:  # fmt: skip
+        """Per member, ``max(out, in)`` bytes per link class over its path's bandwidth, plus latency;
+        ``fwd``: the (out, in) bytes a forwarded all-to-all adds on the in-node links."""
         bw_in, lat_in, bw_out, lat_out = self._rank_links()[:, ranks]
         intra = off * same
         out_intra, in_intra = intra.sum(axis=1), intra.sum(axis=0)
+        if fwd is not None:
+            out_intra, in_intra = out_intra + fwd[0], in_intra + fwd[1]
         if node_inter is None:
             cross = off * ~same
             out_inter, in_inter = cross.sum(axis=1), cross.sum(axis=0)
