@@ -141,3 +141,29 @@ def test_in_flight_micro_batches_per_schedule():
     # (rank 0 also runs the last stage: its fp32 logits, one micro-batch at a time)
     logits = d.training.micro_batch_size * d.training.seq_len * d.model.vocab_size * 4
     assert dual[0].activations - logits == pytest.approx(5 / 4 * stages[0].activations, rel=0.02)
+
+
+@pytest.mark.parametrize("ep,etp", [(8, 1), (4, 2), (2, 2), (2, 4)])
+def test_expert_tensor_parallelism_keeps_each_gpus_expert_flops(ep, etp):
+    """Expert TP splits an expert's width over etp ranks, which first all-gather their tokens: each
+    computes the rows its whole etp group routed to its experts on 1 / etp of the width, so with
+    balanced routing a GPU's expert FLOPs per micro-batch are the same for every (ep, etp) folding of
+    its stage: a replica's T k routed rows x 3 GEMMs of 2 h f FLOPs, over its tp GPUs (it was 1 / etp
+    of that: each etp rank counted only its own tokens)."""
+    import numpy as np
+
+    from sim.frameworks.pricing import Pricer
+    from sim.routing.plan import route_scenario
+
+    over = ["parallelism.tp=4", f"parallelism.ep={ep}", f"parallelism.etp={etp}", "routing.generator=balanced",
+            "routing.dispatch=dropless", "routing.capacity_factor=null", "training.grad_accum_steps=1"]  # fmt: skip
+    s = load_scenario(BIG, over)
+    pricer = Pricer(s, route_scenario(s), cost_model(s), [1.0] * s.world_size)
+    q = np.arange(s.layout.stage_size)
+    moe_layer = next(i for i in range(s.model.num_layers) if s.model.is_moe_layer(i))
+    _, flops = pricer.price("experts", moe_layer, 0, 0, "fwd", q, 0)
+    m = s.model
+    tokens = s.training.micro_batch_size * s.training.seq_len  # one dp replica's, on its tp group of 4
+    gemms = 3 if m.ffn_type == "gated" else 2
+    per_gpu = tokens * m.top_k * gemms * 2 * m.hidden_size * m.moe_ffn_hidden_size / s.parallelism.tp
+    assert flops == pytest.approx(np.full(len(q), per_gpu), rel=1e-12)

@@ -176,12 +176,22 @@ class Pricer:
         self._scalar[key] = out
         return out
 
+    def _expert_rows(self, moe: int, micro: int, q: np.ndarray) -> np.ndarray:
+        """(n, experts_per_rank) rows each local expert of positions ``q`` computes. Under expert tensor
+        parallelism the etp ranks of an expert shard (consecutive positions) all-gather their tokens
+        first, so each computes the rows its whole etp group routed there, on its 1 / etp of the width."""
+        load = self.plan.expert_load(moe, micro)
+        if self.etp == 1:
+            return load[q].astype(np.float64)
+        first = (q // self.etp) * self.etp
+        return sum(load[first + j] for j in range(self.etp)).astype(np.float64)
+
     def _routed(self, name: str, moe: int, micro: int, q: np.ndarray):
         """(fwd, dgrad, wgrad, FLOPs) arrays over stage positions ``q`` of a routing-dependent block."""
         plan, m, d, bpe = self.plan, self.m, self.m.hidden_size, self.bpe
         assert plan is not None
         if name == "experts":  # the grouped GEMMs of the rank's experts, all experts in one vector
-            rows = plan.expert_load(moe, micro)[q].astype(np.float64)  # (n, experts_per_rank)
+            rows = self._expert_rows(moe, micro, q)  # (n, experts_per_rank)
             width = (m.moe_ffn_hidden_size or d) // self.etp
             passes = (3 if m.ffn_type == "gated" else 2) + expert_activation_passes(m)
             flat = rows.reshape(-1)
@@ -207,7 +217,7 @@ class Pricer:
         m, d, bpe = self.m, self.m.hidden_size, self.bpe
         norms = 2 * self._mem(2 * self.T_sp * d * bpe)
         if moe is not None and self.plan is not None:
-            rows = self.plan.expert_load(moe, micro)[q].sum(axis=1).astype(np.float64)
+            rows = self._expert_rows(moe, micro, q).sum(axis=1)
             width = (m.moe_ffn_hidden_size or d) // self.etp
             passes = (3 if m.ffn_type == "gated" else 2) + expert_activation_passes(m)
             act = rows * width * bpe * passes / self.cost.hbm_Bps + self.s.experts_per_rank * self.cost.launch_s
