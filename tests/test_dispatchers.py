@@ -334,11 +334,7 @@ def test_forwarded_bytes_on_every_link(published, ep, nodes):
 
 @pytest.mark.parametrize(
     "algo",
-    ["direct", pytest.param("deepep", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError,
-        reason="A2ATiming._forwarded times flows on Comm._paths objects whose bytes Comm.total_link_bytes "
-        "never adds (only link_bytes, net and _direct_paths): deepep/hybridep traffic is missing from "
-        "link_bytes_by_kind"))],
+    ["direct", "deepep", "hybridep"],
 )  # fmt: skip
 def test_simulated_link_bytes_include_the_all_to_all(published, algo):
     """Whatever the dispatcher, the bytes the simulator reports on its NICs (what ``link_bytes`` and

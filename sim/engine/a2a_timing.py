@@ -183,6 +183,7 @@ class A2ATiming:
         ranks = np.asarray(group)
         paths = self.comm._paths(ranks[src], ranks[dst])
         t = paths.ps_times(nb)
+        np.add.at(self.comm.link_bytes, paths.links, nb[paths.owner])  # the traffic the result reports
         out = np.zeros(len(group))
         np.maximum.at(out, src, t)
         np.maximum.at(out, dst, t)
