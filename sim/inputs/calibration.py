@@ -75,7 +75,7 @@ from pydantic import ConfigDict, Field
 
 from sim.errors import InputError
 from sim.inputs.sections import Kind
-from sim.inputs.yamlio import StrictModel, read_text, validate_model
+from sim.inputs.yamlio import StrictModel, parse_json, read_text, validate_model
 from sim.ioutil import atomic_write_text, dumps_json
 
 FORMAT = "moesim.calibration"
@@ -172,15 +172,8 @@ class Calibration(StrictModel):
 
 def load_calibration(path: str | Path) -> Calibration:
     """Read and validate a calibration JSON."""
-    import json
-
     text = read_text(path, "calibration file")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"not valid JSON: {exc.msg} at line {exc.lineno}", file=str(path)) from None
-    except RecursionError:
-        raise InputError("JSON is nested too deeply", file=str(path)) from None
+    data = parse_json(text, path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InputError(
             f"not a calibration file (expected format: {FORMAT})", file=str(path), field="format"

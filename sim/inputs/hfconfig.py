@@ -7,13 +7,12 @@ are :class:`~sim.errors.InputError` naming the file and the key (exit 2), never 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from sim.errors import InputError
-from sim.inputs.yamlio import read_text
+from sim.inputs.yamlio import parse_json, read_text
 
 Fields = dict[str, Any]
 
@@ -299,14 +298,7 @@ def load_hf_json(path: str | Path) -> dict[str, Any]:
     text = read_text(path, "HF config")
     if not text.strip():
         raise InputError("HF config is empty", file=str(path))
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(
-            f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}", file=str(path)
-        ) from None
-    except RecursionError:
-        raise InputError("JSON is nested too deeply", file=str(path)) from None
+    data = parse_json(text, path)
     if not isinstance(data, dict):
         raise InputError(
             f"expected a JSON object at the top level, got {type(data).__name__}", file=str(path)

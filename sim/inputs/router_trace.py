@@ -25,7 +25,6 @@ Invariants (checked on load): ``sum(assigned) == tokens_per_micro_batch * top_k`
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from sim.errors import InputError
-from sim.inputs.yamlio import read_text
+from sim.inputs.yamlio import parse_json, read_text
 from sim.ioutil import atomic_write_text, dumps_json
 
 FORMAT = "moesim.router_trace"
@@ -155,12 +154,7 @@ def trace_from_records(
 def load_trace(path: str | Path) -> RouterTrace:
     """Read and validate a router trace file."""
     text = read_text(path, "router trace")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"not valid JSON: {exc.msg} at line {exc.lineno}", file=str(path)) from None
-    except RecursionError:
-        raise InputError("JSON is nested too deeply", file=str(path)) from None
+    data = parse_json(text, path)
     if not isinstance(data, dict) or data.get("format") != FORMAT:
         raise InputError(f"not a router trace (expected format: {FORMAT})", file=str(path), field="format")
     if data.get("version") != VERSION:

@@ -85,6 +85,20 @@ def read_text(path: str | Path, what: str = "file") -> str:
         raise InputError(f"{what} is not UTF-8 text (byte {exc.start})", file=str(path)) from None
 
 
+def parse_json(text: str, path: str | Path) -> Any:
+    """``text`` (read from ``path``) as JSON; a syntax error or runaway nesting is an :class:`InputError`."""
+    import json
+
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"not valid JSON at line {exc.lineno}, column {exc.colno}: {exc.msg}", file=str(path)
+        ) from None
+    except RecursionError:
+        raise InputError("JSON is nested too deeply", file=str(path)) from None
+
+
 def load_yaml_mapping(path: str | Path, what: str = "YAML file") -> dict[str, Any]:
     """Parse ``path`` as a YAML mapping; syntax errors, empty files and non-mappings exit 2."""
     text = read_text(path, what)
