@@ -45,13 +45,13 @@ uses the mean over ranks. p10/p90 are numpy's linear-interpolation percentiles, 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from sim.errors import InputError
+from sim.inputs.yamlio import parse_json, read_text
 from sim.ioutil import atomic_write_text, dumps_json
 
 FORMAT = "moesim.measurement"
@@ -136,12 +136,7 @@ def write_measurement(path: str | Path, data: dict[str, Any]) -> None:
 def load_measurement(path: str | Path) -> dict[str, Any]:
     """Read and validate a Measurement file; :class:`InputError` names the file and field."""
     p = Path(path)
-    try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError("measurement file not found", file=str(p)) from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"not valid JSON: {exc.msg} at line {exc.lineno}", file=str(p)) from None
+    data = parse_json(read_text(p, "measurement file"), p)
     check_measurement(data, str(p))
     return data
 
