@@ -9,7 +9,7 @@ Megatron's distributed optimizer keeps bf16 weights and a gradient buffer on eve
 ``grad_reduce_dtype: fp32``, Megatron-LM's default under ``--bf16``; else the params' dtype, as
 Megatron-Core's ``grad_reduce_in_fp32: false``) and shards the fp32 master weights and Adam moments
 over dp (Megatron-Core ``DistributedOptimizer``);
-FSDP2 shards weights, gradients and optimizer states (one gathered block at a time on top).
+FSDP2 shards weights, gradients and optimizer states (the gathered block it computes on is not added).
 
 Activations (Korthikanti et al. 2022 sec. 4.2, as :mod:`sim.model.memory` counts a layer) scale with
 the micro-batches a stage holds at once: 1F1B's stage r holds ``min(pp - r, m)`` (PipeDream-Flush),
