@@ -10,14 +10,17 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("torch")
 
+from hw_validate.launch import JobError  # noqa: E402
 from hw_validate.layout.compare import RESULT_FILE, validate_layout  # noqa: E402
 from hw_validate.layout.record import load  # noqa: E402
 from sim.api import load_scenario  # noqa: E402
@@ -29,11 +32,24 @@ pytestmark = [pytest.mark.deepspeed, pytest.mark.slow]
 STEPS, WARMUP = 3, 1
 
 
+def _validate(job: str, scen: Path, out: Path) -> dict:
+    """The job and its comparison; once more if a rank was killed by SIGABRT/SIGSEGV, which CI saw
+    once ("terminate called without an active exception" from a C++ thread of gloo, not reproduced
+    in dozens of runs here): a crash of the library, not a result of ours. Anything else fails."""
+    try:
+        return validate_layout(job, scen, out, steps=STEPS, warmup=WARMUP, timeout_s=300)
+    except JobError as exc:
+        if not re.search(r"exited with signal (6|11)\b", str(exc)):
+            raise
+        warnings.warn(f"{job} job crashed in the library, run again: {exc}", stacklevel=1)
+        return validate_layout(job, scen, out, steps=STEPS, warmup=WARMUP, timeout_s=300)
+
+
 @pytest.fixture(scope="module", params=["pp2-1f1b", "pp2-interleaved"])
 def pipeline(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(request.param)
     scen = LAYOUT / f"{request.param}.yaml"
-    res = validate_layout("pipeline", scen, out, steps=STEPS, warmup=WARMUP, timeout_s=300)
+    res = _validate("pipeline", scen, out)
     return res, load(out / "measurement.json"), load_scenario(scen), out
 
 
@@ -41,7 +57,7 @@ def pipeline(request, tmp_path_factory):
 def tensor_parallel(tmp_path_factory):
     out = tmp_path_factory.mktemp("tp2")
     scen = LAYOUT / "tp2-sp.yaml"
-    res = validate_layout("tensor_parallel", scen, out, steps=STEPS, warmup=WARMUP, timeout_s=300)
+    res = _validate("tensor_parallel", scen, out)
     return res, load(out / "measurement.json"), load_scenario(scen), out
 
 
