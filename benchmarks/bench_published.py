@@ -19,20 +19,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from hw_validate.calibration_cache import cpu_model  # noqa: E402
 from sim.ioutil import atomic_write_text, dumps_json  # noqa: E402
 from sim.studies.published import as_json, entries, predict, summary  # noqa: E402
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {platform.python_implementation()} {platform.python_version()}"
+    return f"{cpu_model()}, {platform.python_implementation()} {platform.python_version()}"
 
 
 def fmt(x, spec: str) -> str:

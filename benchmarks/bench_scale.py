@@ -29,6 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from hw_validate.calibration_cache import cpu_model  # noqa: E402
 from sim.ioutil import atomic_write_text, dumps_json  # noqa: E402
 
 SCEN = ROOT / "scenarios" / "128gpu.yaml"
@@ -40,12 +41,7 @@ CATEGORIES = ("compute", "a2a", "imbalance_wait", "exposed_comm", "optimizer", "
 
 
 def machine() -> str:
-    cpu = "unknown CPU"
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
+    return f"{cpu_model()}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def run(scen: Path, sets: list[str], fidelity: str = "folded", timeout: float = 1800) -> dict:

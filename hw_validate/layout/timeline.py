@@ -22,6 +22,7 @@ from typing import Any, NoReturn
 import torch
 import torch.distributed as dist
 
+from hw_validate.calibration_cache import cpu_model
 from hw_validate.layout.record import FORMAT, VERSION
 from hw_validate.train_rank import Heartbeat
 from sim.api import load_scenario
@@ -108,14 +109,7 @@ def collective_sweep(name: str, call, sizes: list[int], reps: int = 15) -> list[
 
 
 def _environment(world: int) -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {
         "hostname": socket.gethostname(), "python": platform.python_version(), "torch": torch.__version__,
         "backend": str(dist.get_backend()), "world_size": world, "threads_per_rank": torch.get_num_threads(),
