@@ -235,20 +235,12 @@ def run_job(
         raise InputError("must be >= 1", field="--steps")
     missing_packages(launcher)
     out = Path(out_dir) if out_dir is not None else Path("runs") / scen.name
-    out.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
-    script_args = ["--scenario", str(Path(scenario_path).resolve()), "--out", str(staging)]
-    for o in overrides:
-        script_args += ["--set", o]
-    if steps is not None:
-        script_args += ["--steps", str(steps)]
+    staging, script_args = stage_run(out, scenario_path, overrides, steps)
     script_args += list(extra_args)
     port = free_port()
     cmd = build_command(launcher, nproc, script_args, port)
-    run_env = cpu_rank_env(os.environ if env is None else env)
-    run_env.update(MOESIM_RUN_DIR=str(staging), MOESIM_LAUNCHER=launcher, PYTHONUNBUFFERED="1")
-    root = str(HERE.parent)
-    run_env["PYTHONPATH"] = root + (os.pathsep + run_env["PYTHONPATH"] if run_env.get("PYTHONPATH") else "")
+    run_env = rank_env(os.environ if env is None else env, staging)
+    run_env["MOESIM_LAUNCHER"] = launcher
     try:
         prepare_ops(needed_ops(accelerator_of(run_env), scen.training.offload_optimizer), run_env, timeout_s, echo)
     except JobError:
@@ -267,7 +259,7 @@ def run_job(
             states = read_states(staging, nproc, n_lines=25)
             stop_group(proc)
             pump.join(timeout=5)
-            failed = _keep_failed(staging, out)
+            failed = keep_failed(staging, out)
             rank, msg = explain_timeout(states, why, failed)
             raise JobError(msg, rank=rank, run_dir=failed, returncode=None)
     except BaseException:
@@ -289,16 +281,11 @@ def run_job(
             if cause:
                 msg = msg.replace("\n", f": {cause}\n", 1) if "\n" in msg else f"{msg}: {cause}"
             msg += "\n  last lines of the launcher:\n" + "\n".join(f"    {line}" for line in list(keep)[-15:])
-        failed = _keep_failed(staging, out)
+        failed = keep_failed(staging, out)
         raise JobError(msg.replace(str(staging), str(failed)), rank=rank, run_dir=failed, returncode=rc)
     os.replace(trace, out / TRACE_FILE)
     os.replace(meas, out / MEASUREMENT_FILE)
-    logs = out / "logs"
-    if logs.exists():
-        shutil.rmtree(logs)
-    os.replace(staging / "logs", logs)
-    os.replace(staging / "job.log", logs / "job.log")
-    shutil.rmtree(staging, ignore_errors=True)
+    logs = keep_logs(staging, out)
     return JobResult(out, out / MEASUREMENT_FILE, out / TRACE_FILE, logs, wall, cmd)
 
 
@@ -315,7 +302,43 @@ def prepare_ops(ops: list[str], env: dict[str, str], timeout_s: float, echo: boo
         raise JobError(str(e)) from None
 
 
-def _keep_failed(staging: Path, out: Path) -> Path:
+def stage_run(out: Path, scenario: str | Path, overrides, steps: int | None) -> tuple[Path, list[str]]:
+    """A fresh staging folder inside ``out`` (the job writes there; moved into ``out`` only when it
+    succeeded) and the training script's common arguments: scenario, output, overrides, steps."""
+    out.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+    args = ["--scenario", str(Path(scenario).resolve()), "--out", str(staging)]
+    for o in overrides:
+        args += ["--set", o]
+    if steps is not None:
+        args += ["--steps", str(steps)]
+    return staging, args
+
+
+def rank_env(base, staging: Path) -> dict[str, str]:
+    """The ranks' environment: :func:`~hw_validate.jit_ops.cpu_rank_env` of ``base``, the run folder
+    the rank wrapper writes into, unbuffered output and this repository first on ``PYTHONPATH``."""
+    env = cpu_rank_env(base)
+    env.update(MOESIM_RUN_DIR=str(staging), PYTHONUNBUFFERED="1")
+    root = str(HERE.parent)
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
+
+
+def keep_logs(staging: Path, out: Path) -> Path:
+    """A finished job's logs into ``out/logs`` (replacing older ones), its staging folder removed."""
+    logs = out / "logs"
+    if logs.exists():
+        shutil.rmtree(logs)
+    os.replace(staging / "logs", logs)
+    os.replace(staging / "job.log", logs / "job.log")
+    shutil.rmtree(staging, ignore_errors=True)
+    return logs
+
+
+def keep_failed(staging: Path, out: Path) -> Path:
+    """A failed job's staging folder kept as ``out/failed-<time>`` (its path; the staging one if the
+    move fails)."""
     target = out / time.strftime("failed-%Y%m%d-%H%M%S")
     n = 1
     while target.exists():

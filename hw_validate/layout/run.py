@@ -16,16 +16,23 @@ busy share over 5 s is below it before starting.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from hw_validate.diagnose import explain_exit, read_states
-from hw_validate.jit_ops import cpu_rank_env
-from hw_validate.launch import WRAPPER, JobError, free_port, launcher_head, stop_group
+from hw_validate.launch import (
+    WRAPPER,
+    JobError,
+    free_port,
+    keep_failed,
+    keep_logs,
+    launcher_head,
+    rank_env,
+    stage_run,
+    stop_group,
+)
 from sim.api import load_scenario
 from sim.errors import InputError
 
@@ -84,20 +91,11 @@ def run_layout_job(job: str, scenario: str | Path, out_dir: str | Path, steps: i
     if importlib.util.find_spec("torch") is None:
         raise JobError("torch is not installed for this Python: install the hw extra, `pip install -e '.[hw]'`")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
-    args = ["--scenario", str(Path(scenario).resolve()), "--out", str(staging)]
-    for o in overrides:
-        args += ["--set", o]
-    if steps is not None:
-        args += ["--steps", str(steps)]
+    staging, args = stage_run(out, scenario, overrides, steps)
     if warmup is not None:
         args += ["--warmup", str(warmup)]
     cmd = [*launcher_head("torchrun", s.world_size, free_port()), str(WRAPPER), str(SCRIPTS[job]), *args]
-    env = cpu_rank_env({**os.environ, "DS_ACCELERATOR": "cpu"})
-    root = str(HERE.parents[1])
-    env.update(MOESIM_RUN_DIR=str(staging), PYTHONUNBUFFERED="1",
-               PYTHONPATH=root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""))  # fmt: skip
+    env = rank_env({**os.environ, "DS_ACCELERATOR": "cpu"}, staging)
     waited = wait_quiet(quiet, quiet_wait_s)
     before = _cpu()
     t0 = time.monotonic()
@@ -108,7 +106,7 @@ def run_layout_job(job: str, scenario: str | Path, out_dir: str | Path, steps: i
             rc = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             stop_group(proc)
-            failed = _keep_failed(staging, out)
+            failed = keep_failed(staging, out)
             raise JobError(f"{job} job timed out after {timeout_s:g} s; logs in {failed}", run_dir=failed) from None
         except BaseException:
             stop_group(proc)
@@ -119,26 +117,12 @@ def run_layout_job(job: str, scenario: str | Path, out_dir: str | Path, steps: i
     if rc != 0 or not meas.is_file():
         states = read_states(staging, s.world_size)
         rank, msg = explain_exit(states, rc, staging) if rc != 0 else (None, f"every rank exited 0 but no {MEASUREMENT_FILE}")
-        failed = _keep_failed(staging, out)
+        failed = keep_failed(staging, out)
         raise JobError(f"{job} job failed: " + msg.replace(str(staging), str(failed)), rank=rank, run_dir=failed,
                        returncode=rc)  # fmt: skip
     os.replace(meas, out / MEASUREMENT_FILE)
-    logs = out / "logs"
-    if logs.exists():
-        shutil.rmtree(logs)
-    os.replace(staging / "logs", logs)
-    os.replace(staging / "job.log", logs / "job.log")
-    shutil.rmtree(staging, ignore_errors=True)
+    logs = keep_logs(staging, out)
     return LayoutJob(out / MEASUREMENT_FILE, logs, wall, cmd, load)
-
-
-def _keep_failed(staging: Path, out: Path) -> Path:
-    target = out / time.strftime("failed-%Y%m%d-%H%M%S")
-    try:
-        os.replace(staging, target)
-    except OSError:
-        return staging
-    return target
 
 
 __all__ = ["SCRIPTS", "LayoutJob", "run_layout_job", "wait_quiet"]
