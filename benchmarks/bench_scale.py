@@ -12,6 +12,10 @@ with its peak resident memory from ``getrusage(RUSAGE_CHILDREN)``.
 
     python benchmarks/bench_scale.py            # everything (tens of minutes on 2 cores)
     python benchmarks/bench_scale.py --quick    # speed rows up to 1,024 GPUs and a small accuracy grid
+    python benchmarks/bench_scale.py --only window   # one section; the others kept from the record
+
+The window section checks the steady-state micro-batch window (sim/engine/window.py) against full
+fidelity on steps with 32-120 micro-batches: 1F1B, interleaved and DualPipe pipelines, three skews.
 """
 
 from __future__ import annotations
@@ -116,6 +120,41 @@ def accuracy(quick: bool) -> list[dict]:
     return rows
 
 
+def _categories(ra: dict, rb: dict) -> float:
+    """The largest |default - full| of a breakdown category, as a fraction of the full step."""
+    return max(abs(ra["breakdown_s"][k] - rb["breakdown_s"][k]) for k in CATEGORIES) / rb["step_time_s"]
+
+
+def window(quick: bool) -> list[dict]:
+    """The steady-state micro-batch window (sim/engine/window.py): default against full fidelity
+    (every micro-batch and every lane) where the window applies."""
+    rows = []
+    dsv3 = ROOT / "scenarios" / "deepseek-v3-h800.yaml"
+    cases = [(f"{n * 8} GPUs, skew {skew}, 32 micro-batches", SCEN,
+              [f"cluster.nodes={n}", f"routing.skew={skew}", "model.num_layers=16", "training.grad_accum_steps=32"])
+             for n in ([2, 16] if quick else [2, 16, 64]) for skew in (0.0, 0.5, 1.5)]  # fmt: skip
+    cases += [("8 GPUs, 64 micro-batches", SCEN, ["cluster.nodes=1", "parallelism.ep=8", "training.grad_accum_steps=64"]),
+              ("256 GPUs, PP4 1F1B, 64 micro-batches", SCEN,
+               ["cluster.nodes=32", "parallelism.pp=4", "training.framework=megatron", "training.grad_accum_steps=64"]),
+              ("256 GPUs, PP4 VPP2 interleaved, 64 micro-batches", SCEN,
+               ["cluster.nodes=32", "parallelism.pp=4", "parallelism.vpp=2", "training.framework=megatron",
+                "training.grad_accum_steps=64"]),
+              ("DeepSeek-V3, 2,048 H800, DualPipe, 120 micro-batches", dsv3, [])]  # fmt: skip
+    for label, scen, sets in cases:
+        a, b = run(scen, sets), run(scen, sets, "full")
+        if "result" not in a or "result" not in b:
+            rows.append({"case": label, "error": a.get("error") or b.get("error")})
+            continue
+        ra, rb = a["result"], b["result"]
+        win = ra["simulator"].get("micro_window") or {}
+        rows.append({"case": label, "step_rel": ra["step_time_s"] / rb["step_time_s"] - 1,
+                     "worst_category_of_step": _categories(ra, rb), "bound_fraction": win.get("bound_fraction"),
+                     "simulated": win.get("simulated"), "micro_batches": win.get("micro_batches"),
+                     "wall_s": a["wall_s"], "full_wall_s": b["wall_s"]})  # fmt: skip
+        print(rows[-1], flush=True)
+    return rows
+
+
 def write(doc: dict, out: Path) -> None:
     atomic_write_text(out.with_suffix(".json"), dumps_json(doc))
     lines = [f"# Scale: the folded default against full fidelity ({doc['date']})", "",
@@ -142,6 +181,18 @@ def write(doc: dict, out: Path) -> None:
         if "step_rel" in r:
             lines.append(f"| {r['gpus']} | {r['skew']} | {'yes' if r['faults'] else 'no'} | {r['folded']} / {r['lanes']} | "
                          f"{r['step_rel']:+.3%} | {r['worst_category_rel']:.2%} |")  # fmt: skip
+    lines += ["", "## The steady-state micro-batch window: default vs full fidelity", "",
+              "Full fidelity simulates every micro-batch (and every lane); the default simulates the micro-batches "
+              "shown and inserts the others (sim/engine/window.py). Bound: the two-sigma bound the default reports.", "",
+              "| case | micro-batches simulated / step | step | worst category (of the step) | reported bound | wall s (default / full) |",
+              "|---|---|---:|---:|---:|---|"]  # fmt: skip
+    for r in doc.get("window", []):
+        if "step_rel" not in r:
+            lines.append(f"| {r['case']} | error: {r.get('error')} | | | | |")
+            continue
+        bound = "-" if r["bound_fraction"] is None else f"{r['bound_fraction']:.3%}"
+        lines.append(f"| {r['case']} | {r['simulated'] or '-'} / {r['micro_batches'] or '-'} | {r['step_rel']:+.4%} | "
+                     f"{r['worst_category_of_step']:.4%} | {bound} | {r['wall_s']:.1f} / {r['full_wall_s']:.1f} |")  # fmt: skip
     atomic_write_text(out.with_suffix(".md"), "\n".join(lines) + "\n")
 
 
@@ -149,10 +200,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "engine"))
+    ap.add_argument("--only", choices=("speed", "accuracy", "window"), help="run one section, keeping the others "
+                    "from the record at --out")  # fmt: skip
     args = ap.parse_args()
-    doc = {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "speed": speed(args.quick),
-           "accuracy": accuracy(args.quick)}  # fmt: skip
-    write(doc, Path(args.out))
+    out = Path(args.out)
+    old = json.loads(out.with_suffix(".json").read_text()) if args.only and out.with_suffix(".json").exists() else {}
+    doc = {"machine": machine(), "date": time.strftime("%Y-%m-%d")}
+    for name, fn in (("speed", speed), ("accuracy", accuracy), ("window", window)):
+        doc[name] = fn(args.quick) if args.only in (None, name) else old.get(name, [])
+    write(doc, out)
     return 0
 
 

@@ -28,7 +28,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=("folded", "full"),
         default="folded",
         help="folded (default): the DES follows the lanes that can set the pace and accounts for the others "
-        "by estimate (the output says what it folded); full: every rank simulated, the exact reference",
+        "by estimate, and simulates a steady-state window of the micro-batches when there are many (the output "
+        "says what it folded); full: every rank and every micro-batch simulated, the exact reference",
     )
     parser.add_argument("--policy", metavar="P", help="override routing.policy: topk, node_limited:M=2, ...")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome/Perfetto trace-event JSON of the step")
@@ -175,6 +176,10 @@ def format_table(scenario, r: dict[str, Any], wall_s: float | None = None) -> st
         folded = sim.get("folded")
         if folded and folded["lanes_simulated"] < folded["lanes_total"]:
             lines.append(f"folded: {folded['what']} (--fidelity full simulates every rank)")
+        win = sim.get("micro_window")
+        if win:
+            lines.append(f"micro-batch window: {win['what']}; bound +-{win['bound_s']:.3g} s "
+                         f"({win['bound_fraction']:.2%} of the step; --fidelity full simulates every micro-batch)")
     return "\n".join(lines)
 
 

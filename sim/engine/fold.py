@@ -78,21 +78,25 @@ def select_lanes(est: LaneResult, s, total: int) -> np.ndarray:
     return np.unique(np.asarray(chosen, dtype=np.int64))
 
 
-def run_folded(s, program, plan, cluster, pricer, fidelity: str, trace_ranks=None, jitter=None) -> Folded:
+def run_folded(s, program, plan, cluster, pricer, fidelity: str, trace_ranks=None, jitter=None,
+               window=None) -> Folded:  # fmt: skip
+    """``window``: the steady-state micro-batch window (:mod:`sim.engine.window`) of both passes;
+    ``program`` is then the shortened step."""
     total = s.layout.lanes
     everything = np.arange(total)
     if fidelity == "estimate":  # the estimate pass alone: every lane, no processor-sharing all-to-alls
-        res = LaneEngine(s, program, plan, cluster, pricer, everything, exact=False, trace_ranks=trace_ranks).run()
+        res = LaneEngine(s, program, plan, cluster, pricer, everything, exact=False, trace_ranks=trace_ranks,
+                         window=window).run()  # fmt: skip
         return Folded(res, None, total, everything, -np.inf)
     if fidelity == "full" or total <= PACE_LANES + RANDOM_LANES:
         res = LaneEngine(s, program, plan, cluster, pricer, everything, exact=True, trace_ranks=trace_ranks,
-                         jitter=jitter).run()  # fmt: skip
+                         jitter=jitter, window=window).run()  # fmt: skip
         return Folded(res, None, total, everything, -np.inf)
-    est = LaneEngine(s, program, plan, cluster, pricer, everything, exact=False, record=True).run()
+    est = LaneEngine(s, program, plan, cluster, pricer, everything, exact=False, record=True, window=window).run()
     chosen = select_lanes(est, s, total)
     virtual = VirtualLanes(est.record, chosen, total)
     res = LaneEngine(s, program, plan, cluster, pricer, chosen, exact=True, virtual=virtual,
-                     trace_ranks=trace_ranks, jitter=jitter).run()  # fmt: skip
+                     trace_ranks=trace_ranks, jitter=jitter, window=window).run()  # fmt: skip
     return Folded(res, est, total, chosen, virtual.margin)
 
 

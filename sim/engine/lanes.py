@@ -32,9 +32,11 @@ import numpy as np
 import simpy
 
 from sim.engine.a2a_timing import A2ATiming
+from sim.engine.lane_parts import Jitter, waited_on
 from sim.engine.rank_groups import gmax, group_ids, group_members
 from sim.engine.spans import Span
 from sim.engine.streams import Streams
+from sim.engine.window import WindowRun
 from sim.frameworks import pipeline
 from sim.frameworks.pricing import Pricer
 from sim.frameworks.program import (
@@ -71,41 +73,17 @@ class LaneResult:
     a2a_sent_bytes: np.ndarray  # (pp, n)
     a2a_inter_node_bytes: np.ndarray  # (pp, n)
     events: int
-    link_bytes: np.ndarray
-    waited_on: dict[int, int]  # global rank -> the rank it most often waited for at all-to-alls  # bytes every link carried for the simulated lanes' all-to-alls
+    link_bytes: np.ndarray  # bytes every link carried for the simulated lanes' all-to-alls
+    waited_on: dict[int, int]  # global rank -> the rank it most often waited for at all-to-alls
     spans: list[Span] = field(default_factory=list)
     record: dict = field(default_factory=dict)  # rendezvous arrivals per lane (the estimate pass)
-
-
-class _Jitter:
-    """Per-kernel noise factors of the simulated ranks (``faults.jitter``), drawn per rank in the
-    order the rank runs its kernels, as :func:`sim.frameworks.ops.apply_jitter` draws them."""
-
-    def __init__(self, eng, sampler):
-        self.factors, self.pos = [], []
-        for r, st in enumerate(eng.program.stages):
-            n = 0
-            for ins in st.instructions:
-                ch = st.chunks[ins.chunk]
-                if ins.kind == "W":
-                    n += len(ch.weight_kernels)
-                    continue
-                n += sum(len(op.kernels) for op in (ch.fwd if ins.kind == "F" else ch.bwd) if isinstance(op, Kernels))
-            ranks = eng.q + r * eng.S
-            self.factors.append(np.stack([np.asarray(sampler(int(g), n), dtype=np.float64) for g in ranks], axis=1)
-                                if n else np.ones((0, len(ranks))))  # fmt: skip
-            self.pos.append(0)
-
-    def next(self, r: int) -> np.ndarray:
-        i = self.pos[r]
-        self.pos[r] += 1
-        return self.factors[r][i]
+    window: WindowRun | None = None  # the steady-state window, when the step was shortened
 
 
 class LaneEngine:
     def __init__(self, s: Scenario, program: Program, plan: RoutingPlan | None, cluster: Cluster,
                  pricer: Pricer, lanes: np.ndarray, exact: bool = True, virtual=None,
-                 trace_ranks: set[int] | None = None, record: bool = False, jitter=None):  # fmt: skip
+                 trace_ranks: set[int] | None = None, record: bool = False, jitter=None, window=None):  # fmt: skip
         self.s, self.program, self.plan, self.cluster, self.pricer = s, program, plan, cluster, pricer
         lay = s.layout
         self.S, self.L, self.pp = lay.stage_size, lay.lane_size, lay.pp
@@ -126,7 +104,7 @@ class LaneEngine:
         self.spans: list[Span] = []
         self._ids = {k: group_ids(s, self.q, k) for k in ("tp", "etp", "cp", "ep")}
         self._traced: np.ndarray = np.zeros(0, np.int64)
-        self.jitter = _Jitter(self, jitter) if jitter is not None and exact else None
+        self.jitter = Jitter(self, jitter) if jitter is not None and exact else None
         #: per rank, how often each member of its lane arrived last at its all-to-alls
         self.wait_on = np.zeros((self.pp, n, self.L), dtype=np.int32) if exact else None
         self._group_time: dict[tuple, np.ndarray] = {}
@@ -135,6 +113,8 @@ class LaneEngine:
         self._pair: dict[int, list[np.ndarray]] = {}
         #: per stage, each instruction's end on every simulated rank (``moesim layer`` reads them)
         self.marks: list[list[np.ndarray]] = [[] for _ in range(self.pp)]
+        #: the steady-state micro-batch window (:mod:`sim.engine.window`): ``program`` is the short step
+        self.win = WindowRun(window, program) if window is not None else None
 
     # ---- helpers --------------------------------------------------------------------------------
     def ranks(self, r: int) -> np.ndarray:
@@ -185,18 +165,21 @@ class LaneEngine:
 
     # ---- passes -----------------------------------------------------------------------------------
     def _recv(self, key: tuple, r: int, t: np.ndarray):
-        box = self.mail.setdefault(key, [self.env.event(), None])
+        box = self.mail.setdefault(key, [self.env.event(), None, None, False])
         if box[1] is None:
             yield box[0]
         arrive = box[1]
+        if self.win is not None:
+            arrive = yield from self.win.arrival(self, r, box[2], box[3], arrive)
         wait = np.maximum(arrive - t, 0.0)
         self.key["pipeline_bubble"][r] += wait
         self._span(r, "pipeline_bubble", t, t + wait)
         return t + wait
 
-    def _send(self, key: tuple, times: np.ndarray) -> None:
-        box = self.mail.setdefault(key, [self.env.event(), None])
-        box[1] = times
+    def _send(self, key: tuple, times: np.ndarray, src: int) -> None:
+        box = self.mail.setdefault(key, [self.env.event(), None, None, False])
+        box[1], box[2] = times, src
+        box[3] = self.win is not None and self.win.sent(src)
         box[0].succeed()
 
     def _kernels(self, r: int, op: Kernels, part: str, micro: int, t: np.ndarray, pending) -> np.ndarray:
@@ -355,6 +338,8 @@ class LaneEngine:
                 if isinstance(op, ParamGather) and op.at_step_start:
                     self.streams.gather(r, (op.key, -1), op.nonexpert, op.expert, t)
         for idx, ins in enumerate(seq):
+            if self.win is not None:
+                t = self.win.step(self, r, idx, t)
             chunk = st.chunks[ins.chunk]
             if overlap and ins.kind == "F" and idx + 1 < len(seq) and seq[idx + 1].kind == "B" and (
                     ins.paired or sched != "dualpipe"):  # fmt: skip
@@ -370,7 +355,7 @@ class LaneEngine:
                     t = yield from self._recv(("F", v, ins.micro), r, t)
                 t = yield from self._ops(r, chunk, chunk.fwd, "fwd", ins.micro, t)
                 if v + 1 < len(path):
-                    self._send(("F", v + 1, ins.micro), t + self.p2p_time(r, path[v + 1][0], chunk.send_bytes))
+                    self._send(("F", v + 1, ins.micro), t + self.p2p_time(r, path[v + 1][0], chunk.send_bytes), r)
             else:
                 if v + 1 < len(path):
                     t = yield from self._recv(("B", v, ins.micro), r, t)
@@ -379,23 +364,10 @@ class LaneEngine:
                 if r in self._pair:
                     t = self._overlap(r, t)
                 if v > 0:
-                    self._send(("B", v - 1, ins.micro), t + self.p2p_time(r, path[v - 1][0], chunk.send_bytes))
+                    self._send(("B", v - 1, ins.micro), t + self.p2p_time(r, path[v - 1][0], chunk.send_bytes), r)
             self.marks[r].append(t)
         t = yield from self.streams.tail(r, t)
         self.end[r] = t
-
-    def _waited_on(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        if self.wait_on is None:
-            return out
-        lane_start = (np.arange(self.n) // self.L) * self.L
-        for r in range(self.pp):
-            counts = self.wait_on[r].copy()
-            counts[np.arange(self.n), np.arange(self.n) % self.L] = 0
-            best = counts.argmax(axis=1)
-            for i in np.flatnonzero(counts.max(axis=1) > 0):
-                out[int(self.q[i] + r * self.S)] = int(self.q[lane_start[i] + best[i]] + r * self.S)
-        return out
 
     def run(self) -> LaneResult:
         if self.trace:
@@ -411,9 +383,13 @@ class LaneEngine:
         return LaneResult(
             lanes=self.lanes, positions=self.q, end_s=self.end, by_key=self.key, by_name=dict(self.by_name),
             grad_sync_s=self.streams.busy, a2a_sent_bytes=self.sent, a2a_inter_node_bytes=self.inter,
-            events=next(self.env._eid), link_bytes=self.a2a.comm.total_link_bytes(), waited_on=self._waited_on(), spans=sorted(self.spans, key=lambda x: (x.rank, x.stream, x.start)),
-            record=self.streams.recorded(),
+            events=next(self.env._eid), link_bytes=self.a2a.comm.total_link_bytes() * self._a2a_scale(), waited_on=waited_on(self), spans=sorted(self.spans, key=lambda x: (x.rank, x.stream, x.start)),
+            record=self.streams.recorded(), window=self.win,
         )  # fmt: skip
+
+    def _a2a_scale(self) -> float:
+        """Micro-batches of the step per simulated one: every micro-batch moves the same all-to-all bytes."""
+        return 1.0 if self.win is None else self.win.win.m / self.win.win.m_sim
 
 
 __all__ = ["KEYS", "LaneEngine", "LaneResult"]

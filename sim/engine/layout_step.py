@@ -15,6 +15,7 @@ import numpy as np
 
 from sim.engine.fold import lane_means, run_folded
 from sim.engine.lanes import KEYS
+from sim.engine.window import window_of
 from sim.frameworks.builder import build_program
 from sim.frameworks.pricing import Pricer
 from sim.hardware.cluster import LINK_KINDS, Cluster
@@ -25,14 +26,17 @@ FIDELITIES = ("folded", "full", "estimate")
 
 
 def layout_core(s: Scenario, plan, cost: CostModel, cluster: Cluster, factor: np.ndarray, fidelity: str,
-                trace_ranks: set[int] | None = None) -> dict[str, Any]:  # fmt: skip
+                trace_ranks: set[int] | None = None, micro_window: bool = True) -> dict[str, Any]:  # fmt: skip
+    """``micro_window``: let the folded and estimate fidelities simulate a steady-state window of
+    the micro-batches where :func:`sim.engine.window.window_of` finds one; ``fidelity="full"`` never does."""
     if fidelity not in FIDELITIES:
         raise ValueError(f"fidelity must be one of {FIDELITIES}, got {fidelity!r}")
-    program = build_program(s, cost)
+    window = window_of(s, fidelity) if micro_window else None
+    program = build_program(s, cost, window.m_sim if window else None)
     pricer = Pricer(s, plan, cost, factor)
     from sim.hardware.faults import jitter_sampler
 
-    f = run_folded(s, program, plan, cluster, pricer, fidelity, trace_ranks, jitter_sampler(s))
+    f = run_folded(s, program, plan, cluster, pricer, fidelity, trace_ranks, jitter_sampler(s), window)
     res = f.result
     pp, n = res.end_s.shape
     ends = res.end_s.reshape(-1)
@@ -91,7 +95,8 @@ def layout_core(s: Scenario, plan, cost: CostModel, cluster: Cluster, factor: np
         "traffic_core": {"a2a_bytes": sent, "inter_node_bytes": inter},
         "link_bytes_by_kind": _link_bytes(f, cluster),
         "simulator": {"engine": "des", "comm_model": "ps", "events": res.events, "fidelity": fidelity,
-                      "folded": folded},  # fmt: skip
+                      "folded": folded,
+                      "micro_window": None if res.window is None else res.window.report(float(ends.max()))},  # fmt: skip
         "_spans": res.spans,
     }
 

@@ -76,11 +76,14 @@ def simulate(
     healthy: bool = True,
     draw: int = 0,
     fidelity: str = "folded",
+    micro_window: bool = True,
 ) -> dict[str, Any]:
     """Simulate one step of ``s``; returns the JSON-ready result (and ``_spans`` when tracing).
     A scenario with ``faults`` is also run on the healthy cluster (``healthy=False`` skips it): the
     result's ``faults`` section gives the slowdown and who waited on whom. ``draw``: which
     independent draw of the calibrated rank noise (sim.engine.step.build_step; default 0).
+    ``micro_window=False``: the folded fidelity simulates every micro-batch (no steady-state window,
+    :mod:`sim.engine.window`).
 
     Which engine: CPU-rank scenarios (host effects, the validation path) and ``engine="analytic"``
     run the per-rank schedule of :mod:`sim.engine.step`; ``fidelity="full"`` of a DeepSpeed
@@ -101,10 +104,10 @@ def simulate(
     if engine == "des" and uses_lane_engine(s, fidelity, comm_model):
         from sim.engine.layout_step import layout_core
 
-        core = layout_core(s, plan, cost, cluster, factor, fidelity, trace_ranks)
+        core = layout_core(s, plan, cost, cluster, factor, fidelity, trace_ranks, micro_window)
         spans = core.pop("_spans")
         out = _assemble(s, plan, None, core, engine)
-        return _finish(s, out, spans, trace_ranks, healthy, plan, engine, comm_model, policy, draw, fidelity)
+        return _finish(s, out, spans, trace_ranks, healthy, plan, engine, comm_model, policy, draw, fidelity, micro_window)
     if engine == "analytic" and not s.topology.gpu.is_cpu_host and uses_lane_engine(s, "full"):
         from sim.errors import InputError
 
@@ -124,7 +127,7 @@ def simulate(
         core = _from_engine(s, res)
         spans = res.spans
     out = _assemble(s, plan, sched, core, engine)
-    return _finish(s, out, spans, trace_ranks, healthy, plan, engine, comm_model, policy, draw, fidelity)
+    return _finish(s, out, spans, trace_ranks, healthy, plan, engine, comm_model, policy, draw, fidelity, micro_window)
 
 
 def uses_lane_engine(s: Scenario, fidelity: str, comm_model: str = "auto") -> bool:
@@ -146,12 +149,12 @@ def uses_lane_engine(s: Scenario, fidelity: str, comm_model: str = "auto") -> bo
     return not (fidelity == "full" and plain) or fidelity == "estimate"
 
 
-def _finish(s, out, spans, trace_ranks, healthy, plan, engine, comm_model, policy, draw, fidelity):
+def _finish(s, out, spans, trace_ranks, healthy, plan, engine, comm_model, policy, draw, fidelity, micro_window=True):
     if healthy and has_faults(s):
         from sim.hardware.faults import describe_faults, without_faults
 
         base = simulate(without_faults(s), engine, comm_model, policy, plan=plan, healthy=False, draw=draw,
-                        fidelity=fidelity)
+                        fidelity=fidelity, micro_window=micro_window)
         out["faults"] = {
             "step_time_s": out["step_time_s"],
             "healthy_step_time_s": base["step_time_s"],

@@ -107,6 +107,12 @@ class Streams:
     def gathered(self, r: int, key: tuple) -> np.ndarray:
         return self.gathers.pop((r, key))
 
+    def shift(self, r: int, by: np.ndarray) -> None:
+        """Stage ``r``'s stream and pending gathers ``by`` seconds later (the micro-batch window's jump)."""
+        self.free[r] += by
+        for key in [k for k in self.gathers if k[0] == r]:
+            self.gathers[key] = self.gathers[key] + by
+
     # ---- the tail -------------------------------------------------------------------------------
     def _world(self, r: int, t: np.ndarray):
         """An all-reduce over every rank of every stage (the gradient norm): waits for all stages."""

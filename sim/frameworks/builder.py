@@ -278,13 +278,14 @@ def _tail(s: Scenario, chunks: list[Chunk], pol: Policy, cost: CostModel) -> Tai
     )
 
 
-def build_program(s: Scenario, cost: CostModel) -> Program:
-    """The program of one training step of ``s`` (see the module docstring)."""
+def build_program(s: Scenario, cost: CostModel, micro_batches: int | None = None) -> Program:
+    """The program of one training step of ``s`` (see the module docstring); ``micro_batches``: a
+    shorter step's (the steady-state window of :mod:`sim.engine.window`)."""
     pol = policy_of(s)
     p, t = s.parallelism, s.training
     layers = _Layers(s)
     params, emb, head = _params(s)
-    micro = t.grad_accum_steps
+    micro = micro_batches or t.grad_accum_steps
     seqs = pipeline.build(p.schedule, p.pp, p.vpp, micro)
     stages = []
     for r, vss in enumerate(rank_chunks(s)):

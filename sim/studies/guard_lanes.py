@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from sim.engine.fold import PACE_LANES, RANDOM_LANES
+from sim.engine.window import window_of
 
 BASE_BYTES = 150e6  # interpreter, numpy, simpy, networkx, pydantic, the engine's code
 GRAPH_BYTES_PER_GPU = 12000.0  # networkx graph: ~8 directed links per GPU with attribute dicts
@@ -44,6 +45,11 @@ class LaneShape:
     micro: int
     recompute: bool
     full: bool
+    engine_micro: int = 0  # micro-batches the engine's passes run (the steady-state window's), 0: micro
+
+    @property
+    def passes_micro(self) -> int:
+        return self.engine_micro or self.micro
 
     @property
     def simulated_lanes(self) -> int:
@@ -51,9 +57,11 @@ class LaneShape:
 
 
 def lane_shape(s, fidelity: str) -> LaneShape:
-    m, t = s.model, s.training
-    return LaneShape(s.world_size, s.layout.stage_size, s.parallelism.pp, s.layout.lanes, s.ep, m.num_experts,
-                     m.num_moe_layers, m.num_layers, t.grad_accum_steps, t.recompute, fidelity == "full")  # fmt: skip
+    m, t, p = s.model, s.training, s.parallelism
+    win = window_of(s, fidelity)
+    return LaneShape(s.world_size, s.layout.stage_size, p.pp, s.layout.lanes, s.ep, m.num_experts,
+                     m.num_moe_layers, m.num_layers, t.grad_accum_steps, t.recompute, fidelity == "full",
+                     win.m_sim if win else 0)  # fmt: skip
 
 
 def lane_costs(sh: LaneShape) -> tuple[dict[str, float], dict[str, float]]:
@@ -69,8 +77,8 @@ def lane_costs(sh: LaneShape) -> tuple[dict[str, float], dict[str, float]]:
         "routing pools": POOL_BYTES * sh.experts / 128 + LAYER_TEMP_BYTES * sh.micro * sh.stage * width,
         "priced blocks": min(PRICED_BLOCKS * sh.stage, PRICED_CAP),
     }
-    ops = sh.micro * (sh.layers * (18 if sh.recompute else 12) + 4)  # ops of one pass pair, all stages
-    a2a_calls = sh.micro * sh.moe_layers * 4 * (1.5 if sh.recompute else 1.0)
+    ops = sh.passes_micro * (sh.layers * (18 if sh.recompute else 12) + 4)  # ops of one pass pair, all stages
+    a2a_calls = sh.passes_micro * sh.moe_layers * 4 * (1.5 if sh.recompute else 1.0)
     groups = sh.lanes * max(sh.stage // max(sh.lanes, 1) // max(sh.ep, 1), 1)  # EP groups per stage
     per_group_sim = groups / max(sh.lanes, 1) * sh.simulated_lanes
     flows = sh.ep * sh.ep
