@@ -424,18 +424,19 @@ def _tiles(r) -> float:
      ("deepep", 28, SMS / (SMS - 28))],
 )  # fmt: skip
 def test_a2a_overlap_hides_the_closed_form(a2a, sms, slowdown):
-    """Each forward and the backward after it take max(K x slowdown, C) instead of K + C (K their
-    kernels, C their all-to-alls): the a2a share drops by m (K + C - max(K s, C)) over the m pairs,
-    with s = sm_count / (sm_count - SMs) for DeepEP (20) and HybridEP (24), 1 for NCCL; compute is
-    unchanged (the SM slowdown is charged to the all-to-all); the step is no slower and gains at most
-    the all-to-all time; the breakdown still tiles the step."""
-    m = 2
+    """The forward of micro-batch i + 1 and the backward of i take max(K x slowdown, C) instead of K +
+    C (K their kernels, C their all-to-alls; Megatron's combined_1f1b_schedule_for_no_pipelining runs
+    the first forward and the last backward alone): the a2a share drops by (m - 1) (K + C - max(K s,
+    C)) over the m - 1 pairs, with s = sm_count / (sm_count - SMs) for DeepEP (20) and HybridEP (24),
+    1 for NCCL; compute is unchanged (the SM slowdown is charged to the all-to-all); the step is no
+    slower and gains at most the all-to-all time; the breakdown still tiles the step."""
+    m = 3
     off, on = _train(a2a, False, sms, m), _train(a2a, True, sms, m)
     b0, b1 = off["breakdown_s"], on["breakdown_s"]
     k, c = b0["compute"] / m, b0["a2a"] / m
     hidden = k + c - max(k * slowdown, c)
     assert 0 < hidden <= min(k, c)
-    assert b1["a2a"] == pytest.approx(b0["a2a"] - m * hidden, rel=1e-9)
+    assert b1["a2a"] == pytest.approx(b0["a2a"] - (m - 1) * hidden, rel=1e-9)
     assert b1["compute"] == pytest.approx(b0["compute"], rel=1e-12)
     assert off["step_time_s"] - b0["a2a"] <= on["step_time_s"] < off["step_time_s"]
     assert _tiles(on) == pytest.approx(on["step_time_s"], rel=1e-9)
@@ -457,8 +458,50 @@ def test_dispatcher_sms_matter_only_with_overlap():
 def test_overlap_slower_than_serial_still_tiles_the_step():
     """With 100 of 132 SMs taken (s = 4.125) the overlapped pair takes K s > K + C: the step grows by
     K s - K - C per pair, and compute + a2a + ... must still add up to the step."""
-    on = _train("deepep", True, 100, micro=1)
+    on = _train("deepep", True, 100, micro=2)
     assert _tiles(on) == pytest.approx(on["step_time_s"], rel=1e-9)
+
+
+def test_overlap_schedule_pairs_another_micro_batch():
+    """pp 1 with a2a overlap runs Megatron's combined 1F1B: F0, then F(i + 1) before B(i), then the
+    last B alone; no forward is followed by its own micro-batch's backward. Activations of two
+    micro-batches are alive at once."""
+    from sim.frameworks import pipeline
+    from sim.model.stage_memory import in_flight
+
+    seq = pipeline.build("1f1b", 1, 1, 4, overlap=True)[0]
+    assert [repr(x) for x in seq] == ["F0.0", "F0.1", "B0.0", "F0.2", "B0.1", "F0.3", "B0.2", "B0.3"]
+    pipeline.check("1f1b", 1, 1, 4, [seq])
+    assert [repr(x) for x in pipeline.build("1f1b", 1, 1, 2)[0]] == ["F0.0", "B0.0", "F0.1", "B0.1"]
+    s_on, s_off = (load_scenario_for_overlap(True), load_scenario_for_overlap(False))
+    assert in_flight(s_on, 0) == 2.0 and in_flight(s_off, 0) == 1.0
+
+
+def load_scenario_for_overlap(overlap: bool):
+    data = {"name": "o", "cluster": {"topology": "h800-cluster", "nodes": 2},
+            "model": {"num_layers": 2, "hidden_size": 1024, "num_attention_heads": 8, "vocab_size": 1024,
+                      "ffn_type": "gated", "moe_ffn_hidden_size": 512, "ffn_hidden_size": 2048, "num_experts": 32,
+                      "top_k": 4},
+            "parallelism": {"ep": 16, "zero_stage": 0},
+            "training": {"micro_batch_size": 1, "seq_len": 2048, "grad_accum_steps": 4},
+            "collectives": {"a2a_overlap": overlap}}  # fmt: skip
+    return scenario_from_dict(data)
+
+
+def test_overlap_with_plain_1f1b_pipeline_is_refused():
+    from sim.errors import InputError
+
+    data = {"name": "o", "cluster": {"topology": "h800-cluster", "nodes": 2},
+            "model": {"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 8, "vocab_size": 1024,
+                      "ffn_type": "gated", "moe_ffn_hidden_size": 512, "ffn_hidden_size": 2048, "num_experts": 32,
+                      "top_k": 4},
+            "parallelism": {"ep": 8, "pp": 2, "zero_stage": 1},
+            "training": {"micro_batch_size": 1, "seq_len": 2048, "grad_accum_steps": 4, "framework": "megatron"},
+            "collectives": {"a2a_overlap": True}}  # fmt: skip
+    with pytest.raises(InputError, match="collectives.a2a_overlap"):
+        scenario_from_dict(data)
+    data["parallelism"]["vpp"] = 2
+    scenario_from_dict(data)  # interleaved: allowed
 
 
 @pytest.mark.parametrize("ep,nodes", [(16, 2), (32, 4), (64, 8)])

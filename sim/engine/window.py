@@ -134,13 +134,15 @@ def unit_starts(
 
 
 @functools.lru_cache(maxsize=64)
-def plan_window(schedule: str, pp: int, vpp: int, m: int, window: int = WINDOW) -> MicroWindow | None:
+def plan_window(schedule: str, pp: int, vpp: int, m: int, window: int = WINDOW,
+                overlap: bool = False) -> MicroWindow | None:  # fmt: skip
     """The window of a step of ``m`` micro-batches, or None when simulating all of them is as cheap
-    (or the schedule shows no steady state the window can span)."""
+    (or the schedule shows no steady state the window can span); ``overlap``: the schedule's
+    ``collectives.a2a_overlap`` variant (:func:`sim.frameworks.pipeline.build`)."""
     directions = 2 if schedule == "dualpipe" else 1
     group = pp if schedule == "interleaved" and vpp > 1 else 1
     per_dir = m // directions
-    seqs = pipeline.build(schedule, pp, vpp, m)
+    seqs = pipeline.build(schedule, pp, vpp, m, overlap)
     f_per_unit = sum(ins.kind == "F" for ins in seqs[0]) / per_dir  # forwards per unit of progress
     warm = 0
     for seq in seqs:  # forwards before the first backward, and backwards after the last forward
@@ -159,18 +161,18 @@ def plan_window(schedule: str, pp: int, vpp: int, m: int, window: int = WINDOW) 
         if sim_per_dir >= per_dir:
             return None
         m_sim = sim_per_dir * directions
-        points = _points(schedule, pp, vpp, m_sim, x0, cut, group, directions)
+        points = _points(schedule, pp, vpp, m_sim, x0, cut, group, directions, overlap)
         if points is not None:
             return MicroWindow(schedule, m, m_sim, x0, cut, group, directions, points)
         x0 += group
 
 
 def _points(schedule: str, pp: int, vpp: int, m_sim: int, x0: int, cut: int, group: int,
-            directions: int) -> tuple[tuple[int, ...], ...] | None:  # fmt: skip
+            directions: int, overlap: bool) -> tuple[tuple[int, ...], ...] | None:  # fmt: skip
     """Per rank, the indices of the cuts at progress x0, x0 + group, ..., cut: rank 0's first
     forward of progress >= x starts at ``T`` (unit durations, :func:`unit_starts`) and every rank
     cuts before its first instruction starting at or after ``T``. None unless every stretch is steady."""
-    seqs = pipeline.build(schedule, pp, vpp, m_sim)
+    seqs = pipeline.build(schedule, pp, vpp, m_sim, overlap)
     starts = unit_starts(schedule, pp, vpp, m_sim, seqs)
     half = m_sim // 2
     times = []
@@ -217,7 +219,7 @@ def window_of(s, fidelity: str) -> MicroWindow | None:
     if fidelity == "full" or s.faults.stragglers or s.faults.links:
         return None
     p = s.parallelism
-    return plan_window(p.schedule, p.pp, p.vpp, s.training.grad_accum_steps)
+    return plan_window(p.schedule, p.pp, p.vpp, s.training.grad_accum_steps, overlap=s.collectives.a2a_overlap)
 
 
 @dataclass

@@ -286,7 +286,7 @@ def build_program(s: Scenario, cost: CostModel, micro_batches: int | None = None
     layers = _Layers(s)
     params, emb, head = _params(s)
     micro = micro_batches or t.grad_accum_steps
-    seqs = pipeline.build(p.schedule, p.pp, p.vpp, micro)
+    seqs = pipeline.build(p.schedule, p.pp, p.vpp, micro, s.collectives.a2a_overlap)
     stages = []
     for r, vss in enumerate(rank_chunks(s)):
         chunks = [_chunk(s, vs, layers, pol, params, emb, head) for vs in vss]

@@ -46,10 +46,14 @@ class Instr:
         return f"{self.kind}{'z' if self.zb else ''}{self.chunk}.{self.micro}{'~' if self.paired else ''}"
 
 
-def one_f_one_b(pp: int, m: int) -> list[list[Instr]]:
+def one_f_one_b(pp: int, m: int, overlap: bool = False) -> list[list[Instr]]:
+    """``overlap`` with pp 1: Megatron's ``combined_1f1b_schedule_for_no_pipelining`` (EP all-to-all
+    overlap), micro-batch 0's forward alone, then the forward of i + 1 with the backward of i, then
+    the last backward alone: one warm-up forward, so that each forward is followed by another
+    micro-batch's backward."""
     out = []
     for r in range(pp):
-        warm = min(pp - r - 1, m)
+        warm = min(pp - r - 1 + (1 if overlap and pp == 1 else 0), m)
         seq = [Instr("F", 0, i) for i in range(warm)]
         f, b = warm, 0
         while f < m:
@@ -178,13 +182,13 @@ def path(schedule: str, pp: int, vpp: int, m: int, micro: int) -> list[tuple[int
     return [(v % pp, v // pp) for v in range(pp * vpp)]
 
 
-def build(schedule: str, pp: int, vpp: int, m: int) -> list[list[Instr]]:
-    """The instruction list of every pipeline rank."""
+def build(schedule: str, pp: int, vpp: int, m: int, overlap: bool = False) -> list[list[Instr]]:
+    """The instruction list of every pipeline rank (``overlap``: ``collectives.a2a_overlap``)."""
     if schedule == "dualpipe":
         return dualpipe(pp, m)
     if schedule == "interleaved" and vpp > 1:
         return interleaved(pp, vpp, m)
-    return one_f_one_b(pp, m)
+    return one_f_one_b(pp, m, overlap)
 
 
 def chunks(schedule: str, vpp: int) -> int:

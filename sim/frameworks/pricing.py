@@ -51,6 +51,16 @@ from sim.model.flops import (
 from sim.routing.plan import RoutingPlan
 
 #: GEMMs split along N (column-parallel) under tensor parallelism; the rest of the TP-split ones along K.
+#: HBM bytes per logit of a fused cross entropy, each way: read the fp32 logits once (forward: loss and
+#: softmax; backward: the gradient) and write once.
+FUSED_CE_BYTES = 8.0
+#: Megatron-LM's unfused vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py,
+#: identical at 1e057005 and 00611e6e), per logit: forward ``.float()`` (read 2, write 4), ``max``
+#: (read 4), ``-= logits_max`` (8), ``torch.exp(out=)`` (8), ``sum`` (4), ``div_`` (8) = 38 bytes in 6
+#: kernels (+ the target gather and 3 small all-reduces); backward ``mul_(grad_output)`` (8) and the
+#: ``.float()``'s gradient cast back to bf16 (read 4, write 2) = 14 bytes in 3 kernels (+ index update).
+UNFUSED_CE_FWD_BYTES, UNFUSED_CE_FWD_KERNELS = 38.0, 8
+UNFUSED_CE_BWD_BYTES, UNFUSED_CE_BWD_KERNELS = 14.0, 3
 _COLUMN = ("linear_qkv", "linear_q", "linear_q_up", "linear_kv_up", "linear_fc1", "output_layer")
 _ROW = ("linear_proj", "linear_fc2")
 #: Routing-dependent blocks kept priced (oldest dropped first): a micro-batch's forward's for its backward.
@@ -165,9 +175,15 @@ class Pricer:
             tb = float(self.cost.dispatcher_time(np.asarray(bb), ob))
             out = (float(f[0]) + norm + tf, float(dg[0]) + 2 * norm + tb, float(wg[0]), float(fl[0]))
         elif name == "output":
-            f, dg, wg, fl = self._gemms([lm_head_gemm(m)], T if tp > 1 else Tsp, tp)
-            ce = self._mem(2 * Tsp * m.vocab_size / tp * 4, kernels=2)
-            out = (float(f[0]) + norm + ce, float(dg[0]) + norm + ce, float(wg[0]), float(fl[0]))
+            rows = T if tp > 1 else Tsp  # the head gathers the sequence: every token, vocab / tp logits each
+            f, dg, wg, fl = self._gemms([lm_head_gemm(m)], rows, tp)
+            logits = rows * m.vocab_size / tp
+            if self.s.training.cross_entropy_fusion:
+                ce_f = ce_b = self._mem(logits * FUSED_CE_BYTES, kernels=2)
+            else:
+                ce_f = self._mem(logits * UNFUSED_CE_FWD_BYTES, kernels=UNFUSED_CE_FWD_KERNELS)
+                ce_b = self._mem(logits * UNFUSED_CE_BWD_BYTES, kernels=UNFUSED_CE_BWD_KERNELS)
+            out = (float(f[0]) + norm + ce_f, float(dg[0]) + norm + ce_b, float(wg[0]), float(fl[0]))
         elif name == "mtp_proj":
             f, dg, wg, fl = self._gemms(mtp_gemms(m), Tsp, 1)
             out = (float(f[0]) + 2 * norm, float(dg[0]) + 2 * norm, float(wg[0]), float(fl[0])) if m.mtp_layers else (0.0,) * 4

@@ -276,6 +276,13 @@ class Scenario(StrictModel):
                 f"multiple of pp ({p.pp})",
                 field="training.grad_accum_steps",
             )
+        if self.collectives.a2a_overlap and p.pp > 1 and p.schedule == "1f1b":
+            raise InputError(  # Megatron-Core's TransformerConfig asserts the same
+                f"a2a_overlap with pp {p.pp} needs the interleaved schedule (vpp > 1, as Megatron-Core requires for "
+                "overlap_moe_expert_parallel_comm) or dualpipe: under plain 1F1B the last stage's forward is "
+                "followed by its own micro-batch's backward, which cannot overlap it",
+                field="collectives.a2a_overlap",
+            )
         if p.schedule == "dualpipe":
             if p.pp % 2:
                 raise InputError(f"dualpipe needs an even pp, got {p.pp}", field="parallelism.pp")

@@ -151,6 +151,12 @@ class TrainingConfig(StrictModel):
         default="deepspeed",
         description="what runs the step: DeepSpeed ZeRO, Megatron-Core (distributed optimizer) or FSDP2",
     )
+    cross_entropy_fusion: bool = Field(
+        default=True,
+        description="the loss as one fused kernel over the logits (Megatron-Core --cross-entropy-loss-fusion, "
+        "which Megatron-Bridge recipes set) or, false, Megatron-LM's default unfused vocab-parallel cross "
+        "entropy: fp32 copy, max, subtract, exp, sum, divide, multiply (megatron only)",
+    )
     optimizer: Literal["adam", "sgd"] = "adam"
     offload_optimizer: Literal["none", "cpu"] = "none"
     activation_checkpointing: Literal["full", "selective", "none"] = Field(
@@ -189,6 +195,16 @@ class TrainingConfig(StrictModel):
                 "recompute_num_layers",
                 "recompute_num_layers needs activation_checkpointing: full "
                 f"(it is {self.activation_checkpointing!r})",
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _unfused_loss_is_megatron(self) -> TrainingConfig:
+        if not self.cross_entropy_fusion and self.framework != "megatron":
+            raise field_error(
+                "cross_entropy_fusion",
+                f"cross_entropy_fusion: false prices Megatron-LM's unfused vocab-parallel loss; framework is "
+                f"{self.framework!r} (use framework: megatron)",
             )
         return self
 

@@ -39,8 +39,8 @@ def in_flight(s: Scenario, rank: int) -> float:
     """Micro-batches' worth of the rank's layers (all its chunks) whose activations the pipeline
     keeps alive at its peak."""
     p, m = s.parallelism, s.training.grad_accum_steps
-    if p.pp == 1:
-        return 1.0
+    if p.pp == 1:  # with a2a overlap, one micro-batch's forward runs beside the previous one's backward
+        return float(min(2, m)) if s.collectives.a2a_overlap else 1.0
     if p.schedule == "dualpipe":
         # DeepSeek-V3 table 2: PP + 1 micro-batches of one stage; a rank runs two stages (r, pp-1-r)
         return min(p.pp + 1, m) / 2
