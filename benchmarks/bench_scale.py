@@ -183,7 +183,10 @@ def write(doc: dict, out: Path) -> None:
                          f"{r['step_rel']:+.3%} | {r['worst_category_rel']:.2%} |")  # fmt: skip
     lines += ["", "## The steady-state micro-batch window: default vs full fidelity", "",
               "Full fidelity simulates every micro-batch (and every lane); the default simulates the micro-batches "
-              "shown and inserts the others (sim/engine/window.py). Bound: the two-sigma bound the default reports.", "",
+              "shown and inserts the others (sim/engine/window.py). Bound: the two-sigma bound the default reports. "
+              "On 8 GPUs `--fidelity full` of a DeepSpeed layout is the per-rank reference engine under the flow comm "
+              "model, not the lane engine: that row's step difference holds the engines' (the speed table's 8-GPU "
+              "row, 8 micro-batches) as well as the window's.", "",
               "| case | micro-batches simulated / step | step | worst category (of the step) | reported bound | wall s (default / full) |",
               "|---|---|---:|---:|---:|---|"]  # fmt: skip
     for r in doc.get("window", []):
