@@ -221,15 +221,17 @@ NOTES: dict[str, str] = {
     "nodes (~1 copy). In simulation that is 6.10 s of all-to-all per step against 2.17 s (-3.94 s), for 0.26 s "
     "more compute (8 experts a GPU instead of 4). Every layout the plan estimated is faster than the published "
     "one, so the target is missed: the published layout ranks 21st or lower (the closed form puts it 73rd of 429 "
-    "layouts), 25% slower than the best. Two things the simulator does not see can make EP16 lose in practice: "
+    "layouts), 27% slower than the best. Two things the simulator does not see can make EP16 lose in practice: "
     "memory (the best layouts use 77-79 of the model's 79.6 GiB, with no room for the CUDA context, NCCL and "
-    "DeepEP buffers or fragmentation) and the measurement itself (D9 is simulated 5% faster than its 19.7 s). "
-    "The first is tested below: with 8 GiB kept free EP16 still wins by 23%. The row comes from the "
+    "DeepEP buffers or fragmentation) and the measurement itself (D9 is simulated 2% faster than its 19.7 s). "
+    "The first is tested below: with 8 GiB kept free EP16 still wins by 22%. Nor is it the simulator's "
+    "all-to-all bias: it over-predicts DeepEP's EP16 bandwidth more than EP32's (C2: +29% against +10%), but "
+    "priced at C2's measured 43 and 58 GB/s the two take about 2.8 and 6.7 s, the same 3.9 s apart. The row comes from the "
     "ModelZoo's 'Cross-node EP strategy' table, a demonstration of EP across nodes rather than a claim of the "
     "fastest layout.",
     "D9-headroom8": "With 8 GiB per GPU kept free the EP16 layouts that filled memory drop out (tp2 pp4 vpp8 at "
     "79.2 GiB, tp2 pp8 vpp4 with no recompute at 79.4) and selective recompute comes back, but the all-to-all "
-    "difference stands: the best is 1.23x the published layout at 68.6 GiB, and the published layout still "
+    "difference stands: the best is 1.22x the published layout at 68.6 GiB, and the published layout still "
     "ranks 21st or lower.",
 }
 

@@ -209,3 +209,25 @@ def test_reported_and_deterministic():
     assert "12 of 24 micro-batches simulated" in rep["what"]
     assert rep["micro_batch_s"] > 0
     assert a["tokens_per_step"] == b["tokens_per_step"]
+
+
+def test_trace_draws_the_inserted_micro_batches():
+    """A traced rank's compute stream still tiles [0, its end]: the inserted micro-batches are one
+    span, category ``extrapolated``, as long as the jump (k micro-batches at the rank's own pace in
+    the window, at most the slowest rank's, which the output reports)."""
+    from sim.reports.chrome_trace import category_of
+
+    s = load_scenario(SCEN, SMALL + ["training.grad_accum_steps=24"])
+    r = simulate(s, trace_ranks={0})
+    spans = sorted(
+        (sp for sp in r["_spans"] if sp.rank == 0 and sp.stream == "compute"), key=lambda sp: sp.start
+    )
+    jumps = [sp for sp in spans if sp.name == "extrapolated_micro_batches"]
+    assert len(jumps) == 1 and jumps[0].args["micro_batches"] == 12
+    assert category_of(jumps[0].name) == "extrapolated"
+    assert spans[0].start == 0.0
+    for a, b in zip(spans, spans[1:], strict=False):
+        assert b.start == pytest.approx(a.end, abs=1e-12)
+    assert spans[-1].end == pytest.approx(r["step_time_s"], rel=1e-12)
+    slowest = 12 * r["simulator"]["micro_window"]["micro_batch_s"]  # the slowest rank's pace
+    assert 0.99 * slowest < jumps[0].end - jumps[0].start <= slowest * (1 + 1e-12)

@@ -3,7 +3,8 @@
 One process per node (``pid`` = node), two threads per GPU (``tid`` = 2 x local index for the
 compute stream, + 1 for the comm stream), one complete event (``"ph": "X"``) per span with
 ``ts``/``dur`` in microseconds, ``cat`` the breakdown category (compute, a2a, imbalance_wait,
-exposed_comm, optimizer; grad_sync on the comm stream) and the span's FLOPs or bytes, layer,
+exposed_comm, optimizer; grad_sync on the comm stream; ``extrapolated`` for the micro-batches the
+steady-state window inserted, :mod:`sim.engine.window`) and the span's FLOPs or bytes, layer,
 micro-batch and phase in ``args``. Spans on one stream never overlap (the engine runs one op at a
 time per stream), and a rank's compute-stream spans tile ``[0, its end]``.
 
@@ -34,6 +35,8 @@ def category_of(name: str) -> str:
         return "exposed_comm"
     if name in ("imbalance_wait", "optimizer", "pipeline_bubble"):
         return name
+    if name == "extrapolated_micro_batches":  # the micro-batch window's jump: every category at once
+        return "extrapolated"
     if name.startswith(("tp_", "etp_", "cp_")):
         return "tp_comm"
     return "compute"
