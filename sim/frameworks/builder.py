@@ -196,7 +196,11 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
         fwd.append(WaitParams(units[0][0], first_micro_only=True))
     if pol.layer_gathers and vs.layers:
         fwd.append(ParamGather(f"f{vs.layers[0]}", params[vs.layers[0]][0] + outer_f, params[vs.layers[0]][1]))
+    waited_first = False
     if vs.embedding:  # vocab-parallel lookup, then reduced over TP (reduce-scattered under SP)
+        if pol.layer_gathers and vs.layers:  # the lookup needs the table, gathered with the first layer
+            fwd.append(WaitParams(f"f{vs.layers[0]}"))
+            waited_first = True
         fwd += [Kernels([Kernel("embedding", -1)], -1), *layers._tp(-1, "embedding", False)]
     for j, i in enumerate(vs.layers):
         if pol.step_gather and j > 0:
@@ -205,7 +209,8 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
         if pol.layer_gathers:
             if j + 1 < len(vs.layers):
                 fwd.append(ParamGather(f"f{vs.layers[j + 1]}", *params[vs.layers[j + 1]]))
-            fwd.append(WaitParams(f"f{i}"))
+            if not (j == 0 and waited_first):
+                fwd.append(WaitParams(f"f{i}"))
         fwd += layers.forward(i)
     n = s.model.num_layers
     if vs.head:
@@ -219,10 +224,13 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
         if head:
             bwd.append(Grads(n, head, 0, every))
     rev = list(reversed(vs.layers))
-    if pol.layer_gathers and pol.regather_for_backward and rev:
-        bwd.append(ParamGather(f"b{rev[0]}", params[rev[0]][0] + (head if vs.head else 0), params[rev[0]][1]))
+    regather = pol.layer_gathers and pol.regather_for_backward and bool(rev)
+    if regather:  # ZeRO-3 gathers the head again with the last layer (the per-rank engine's model); FSDP2
+        # keeps the root module's parameters gathered from forward (Policy.root_kept)
+        head_again = head if vs.head and not pol.root_kept else 0
+        bwd.append(ParamGather(f"b{rev[0]}", params[rev[0]][0] + head_again, params[rev[0]][1]))
     for j, i in enumerate(rev):
-        if pol.layer_gathers and pol.regather_for_backward:
+        if regather:
             if j + 1 < len(rev):
                 bwd.append(ParamGather(f"b{rev[j + 1]}", *params[rev[j + 1]]))
             bwd.append(WaitParams(f"b{i}"))

@@ -142,14 +142,16 @@ def build_schedule(
     for micro in range(micros):
         reduce_now = (stage >= 2) or (stage == 1 and micro == micros - 1)
         layer_keys = [("layer", micro, "fwd", i) for i in range(m.num_layers)]
-        if stage == 3:
-            b.ops.append(Gather(layer_keys[0], ne[0] + emb + head, ex[0]))  # embeddings and head too
+        if stage == 3:  # embeddings and head too; the lookup waits for its table
+            b.ops.append(Gather(layer_keys[0], ne[0] + emb + head, ex[0]))
+            b.ops.append(WaitGather(layer_keys[0]))
         b.compute([("embedding", None)], "fwd", -1, micro)
         for i in range(m.num_layers):
             if stage == 3:
                 if i + 1 < m.num_layers:
                     b.ops.append(Gather(layer_keys[i + 1], ne[i + 1], ex[i + 1]))
-                b.ops.append(WaitGather(layer_keys[i]))
+                if i > 0:
+                    b.ops.append(WaitGather(layer_keys[i]))
             b.layer_forward(i, moe_index[i], micro, "fwd")
         b.compute([("output", None)], "fwd", m.num_layers, micro)
         b.compute([("output", None)], "bwd", m.num_layers, micro)

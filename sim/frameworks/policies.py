@@ -38,6 +38,10 @@ class Policy:
     optimizer_sharded: bool
     bucket_elements: int  # gradient bucket size (elements); 0: one bucket per hand-over (per block)
     norm: str  # gradient norm: deepspeed (per group over dp, experts also over edp), world (one all-reduce), none
+    #: the root module's parameters (embedding, final norm, LM head) stay gathered from forward through
+    #: backward: FSDP2 does not reshard the root after forward (torch ``_fsdp_state.py`` ``_lazy_init``:
+    #: "For the root, do not reshard after forward ... all-gathered immediately")
+    root_kept: bool = False
 
 
 def policy_of(s: Scenario) -> Policy:
@@ -47,7 +51,7 @@ def policy_of(s: Scenario) -> Policy:
                       max(40_000_000, 1_000_000 * s.dp), "world")  # fmt: skip
     if t.framework == "fsdp2":
         return Policy("fsdp2", "reduce_scatter", True, False, True, t.reshard_after_forward, False, False, True,
-                      0, "world")  # fmt: skip
+                      0, "world", root_kept=True)  # fmt: skip
     z = p.zero_stage
     bucket = s.collectives.reduce_bucket_elements
     return Policy(
