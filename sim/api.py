@@ -90,17 +90,20 @@ def simulate(
     policy: str | None = None,
     trace_ranks: set[int] | None = None,
     fidelity: str = "folded",
+    micro_window: bool = True,
 ) -> StepResult:
     """Simulate one training step of ``scenario`` (a loaded :class:`Scenario` or a YAML path).
     ``engine``: ``des`` (SimPy, every rank) or ``analytic`` (closed form); ``comm_model``: ``auto``,
     ``flow`` or ``ps``; ``policy`` overrides ``routing.policy``; ``trace_ranks`` keeps those ranks'
     spans (:attr:`StepResult.spans`); ``fidelity``: ``folded`` (the DES follows the lanes that can
-    set the pace) or ``full`` (every rank)."""
+    set the pace, and a steady-state window of the micro-batches) or ``full`` (every rank and every
+    micro-batch); ``micro_window=False``: the folded fidelity simulates every micro-batch."""
     from sim.engine.simulate import simulate as simulate_step
 
     s = scenario if isinstance(scenario, Scenario) else load_scenario(scenario)
     return StepResult.from_dict(simulate_step(s, engine=engine, comm_model=comm_model, policy=policy,
-                                              trace_ranks=trace_ranks, fidelity=fidelity))  # fmt: skip
+                                              trace_ranks=trace_ranks, fidelity=fidelity,
+                                              micro_window=micro_window))  # fmt: skip
 
 
 __all__ = ["Scenario", "StepResult", "load_scenario", "scenario_from_dict", "simulate"]

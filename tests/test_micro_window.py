@@ -231,3 +231,13 @@ def test_trace_draws_the_inserted_micro_batches():
     assert spans[-1].end == pytest.approx(r["step_time_s"], rel=1e-12)
     slowest = 12 * r["simulator"]["micro_window"]["micro_batch_s"]  # the slowest rank's pace
     assert 0.99 * slowest < jumps[0].end - jumps[0].start <= slowest * (1 + 1e-12)
+
+
+def test_python_api_passes_the_switch():
+    import sim
+
+    s = load_scenario(SCEN, SMALL + ["training.grad_accum_steps=24"])
+    on, off = sim.simulate(s), sim.simulate(s, micro_window=False)
+    assert on.to_dict()["simulator"]["micro_window"]["simulated"] == 12
+    assert off.to_dict()["simulator"]["micro_window"] is None
+    assert on.step_time_s == pytest.approx(off.step_time_s, rel=1e-3)
