@@ -220,8 +220,10 @@ def _ceil(a: int, b: int) -> int:
 MEMORY = {
     # Megatron-Core's grad buffer in the params' dtype unless gradients are reduced in fp32 (below)
     ("megatron", 1): ((NE + EX) * BF16, (NE + EX) * BF16, (_ceil(NE, DP) + _ceil(EX, EDP)) * 12),
-    ("fsdp2", 1): ((_ceil(NE, DP) + _ceil(EX, EDP)) * BF16, (_ceil(NE, DP) + _ceil(EX, EDP)) * BF16,
-                   (_ceil(NE, DP) + _ceil(EX, EDP)) * 12),
+    # plus the unsharded copies its all-gathers hold: the root (embedding, final norm, head) and the block
+    # computing with the one prefetched (experts too: they are sharded over edp > 1)
+    ("fsdp2", 1): ((_ceil(NE, DP) + _ceil(EX, EDP) + EMB + HEAD + 2 * (LAYER_NE + LAYER_EX * (EDP > 1))) * BF16,
+                   (_ceil(NE, DP) + _ceil(EX, EDP)) * BF16, (_ceil(NE, DP) + _ceil(EX, EDP)) * 12),
     ("deepspeed", 0): ((NE + EX) * BF16, (NE + EX) * BF16, (NE + EX) * 12),
     ("deepspeed", 1): ((NE + EX) * BF16, (NE + EX) * BF16, (_ceil(NE, DP) + _ceil(EX, EDP)) * 12),
     ("deepspeed", 2): ((NE + EX) * BF16, (_ceil(NE, DP) + _ceil(EX, EDP)) * BF16,

@@ -47,3 +47,27 @@ def test_fsdp2_keeps_the_head_gathered_for_backward():
     params, _, head = _params(s)
     assert head > 0
     assert first.nonexpert == params[last][0]  # the last layer's own parameters, not the head's
+
+
+def test_fsdp2_memory_adds_the_gathered_copies():
+    """FSDP2's unsharded copies at the peak: the root (embedding, final norm, head) plus the largest
+    adjacent pair of blocks (the one computing and the one prefetched) with reshard_after_forward,
+    every block without it; experts only when they are sharded (edp > 1)."""
+    from sim.model.params import count_params, layer_params
+    from sim.model.stage_memory import fsdp2_gathered_bytes, memory_per_stage
+
+    def block(m, i):
+        lp = layer_params(m, i)
+        return lp.attention + lp.dense_ffn + lp.shared_expert + lp.router + lp.norms
+
+    for reshard in (True, False):
+        s = load_scenario(SCEN, BASE + ["training.framework=fsdp2", f"training.reshard_after_forward={reshard}"])
+        m = s.model
+        assert s.edp == 1 and s.dp > 1
+        c = count_params(m)
+        root = c.embedding + c.norms - sum(layer_params(m, i).norms for i in range(m.num_layers))
+        blocks = [block(m, i) for i in range(m.num_layers)]
+        live = max(a + b for a, b in zip(blocks, blocks[1:], strict=False)) if reshard else sum(blocks)
+        assert fsdp2_gathered_bytes(s, 0) == (root + live) * 2  # bf16
+        deepspeed = load_scenario(SCEN, BASE + ["parallelism.zero_stage=3"])
+        assert memory_per_stage(s)[0].weights - memory_per_stage(deepspeed)[0].weights == (root + live) * 2

@@ -9,7 +9,11 @@ Megatron's distributed optimizer keeps bf16 weights and a gradient buffer on eve
 ``grad_reduce_dtype: fp32``, Megatron-LM's default under ``--bf16``; else the params' dtype, as
 Megatron-Core's ``grad_reduce_in_fp32: false``) and shards the fp32 master weights and Adam moments
 over dp (Megatron-Core ``DistributedOptimizer``);
-FSDP2 shards weights, gradients and optimizer states (the gathered block it computes on is not added).
+FSDP2 shards weights, gradients and optimizer states over dp, and adds the unsharded copies its
+all-gathers make: the root module's (embedding, final norm, LM head: not resharded after forward,
+torch ``_fsdp_state._lazy_init``) and, with ``reshard_after_forward``, the block it computes on and
+the next one it prefetches (the largest adjacent pair); without it every block's, kept from its
+forward to its backward. Experts are gathered the same way over edp when edp > 1.
 
 Activations (Korthikanti et al. 2022 sec. 4.2, as :mod:`sim.model.memory` counts a layer) scale with
 the micro-batches a stage holds at once: 1F1B's stage r holds ``min(pp - r, m)`` (PipeDream-Flush),
@@ -73,6 +77,31 @@ def _stage_params(s: Scenario, rank: int) -> tuple[int, int, list[int]]:
     return ne, ex, layers
 
 
+def fsdp2_gathered_bytes(s: Scenario, rank: int) -> int:
+    """Bytes of the unsharded parameter copies FSDP2's all-gathers hold at stage ``rank``'s peak."""
+    m, p = s.model, s.parallelism
+    wb = BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]
+    dense, experts = s.dp * p.cp > 1, s.edp > 1
+    blocks, root = [], 0
+    counts = count_params(m)
+    output = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size
+    for vs in rank_chunks(s)[rank]:
+        for i in vs.layers:
+            lp = layer_params(m, i)
+            ne = (lp.attention + lp.dense_ffn) // p.tp + lp.shared_expert + lp.router + lp.norms
+            ex = ceil_div(lp.expert_each * s.experts_per_rank, p.etp)
+            blocks.append(ne * dense + ex * experts)
+        if vs.embedding:
+            root += (counts.embedding - output) // p.tp
+        if vs.head:
+            root += output // p.tp + counts.norms - sum(layer_params(m, i).norms for i in range(m.num_layers))
+    if s.training.reshard_after_forward:
+        live = max((a + b for a, b in zip(blocks, blocks[1:], strict=False)), default=sum(blocks))
+    else:
+        live = sum(blocks)
+    return (live + root * dense) * wb
+
+
 def _states(s: Scenario, ne: int, ex: int) -> tuple[int, int, int, int]:
     """(weights, gradients, optimizer states, host) bytes of ``ne`` dense and ``ex`` expert params."""
     t = s.training
@@ -131,6 +160,8 @@ def memory_per_stage(s: Scenario) -> list[MemoryBreakdown]:
     for rank in range(s.parallelism.pp):
         ne, ex, layers = _stage_params(s, rank)
         w, g, o, host = _states(s, ne, ex)
+        if s.training.framework == "fsdp2":
+            w += fsdp2_gathered_bytes(s, rank)
         head = any(vs.head for vs in rank_chunks(s)[rank])
         act = _activations(s, layers, rank, head)
         a2a = 2 * s.routed_tokens_per_rank * s.model.top_k * s.model.hidden_size * BYTES_PER_ELEMENT[
@@ -150,4 +181,4 @@ def stage_memory_record(s: Scenario) -> dict:
     return rec
 
 
-__all__ = ["in_flight", "memory_per_stage", "stage_memory_record"]
+__all__ = ["fsdp2_gathered_bytes", "in_flight", "memory_per_stage", "stage_memory_record"]
