@@ -18,11 +18,6 @@ SCEN = ROOT / "scenarios" / "128gpu.yaml"
 SMALL = ["model.num_layers=4", "cluster.nodes=1", "parallelism.ep=8"]
 
 
-def _progress(w, micro: int) -> int:
-    half = w.m_sim // 2
-    return micro - half if w.directions == 2 and micro >= half else micro
-
-
 @pytest.mark.parametrize(
     "schedule,pp,vpp,m",
     [

@@ -179,7 +179,7 @@ class LaneEngine:
     def _send(self, key: tuple, times: np.ndarray, src: int) -> None:
         box = self.mail.setdefault(key, [self.env.event(), None, None, False])
         box[1], box[2] = times, src
-        box[3] = self.win is not None and self.win.sent(src)
+        box[3] = self.win is not None and self.win.jumped[src]  # sent after the sender's cut: carries its jump
         box[0].succeed()
 
     def _kernels(self, r: int, op: Kernels, part: str, micro: int, t: np.ndarray, pending) -> np.ndarray:

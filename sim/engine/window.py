@@ -89,6 +89,11 @@ def _direction(schedule: str, m: int, micro: int) -> int:
     return 1 if schedule == "dualpipe" and micro >= m // 2 else 0
 
 
+def _progress(schedule: str, m: int, micro: int) -> int:
+    """A micro-batch's index within its direction (DualPipe's second half counts from 0 again)."""
+    return micro - m // 2 if _direction(schedule, m, micro) else micro
+
+
 def unit_starts(
     schedule: str, pp: int, vpp: int, m: int, seqs: list[list[pipeline.Instr]]
 ) -> list[list[float]]:
@@ -174,11 +179,9 @@ def _points(schedule: str, pp: int, vpp: int, m_sim: int, x0: int, cut: int, gro
     cuts before its first instruction starting at or after ``T``. None unless every stretch is steady."""
     seqs = pipeline.build(schedule, pp, vpp, m_sim, overlap)
     starts = unit_starts(schedule, pp, vpp, m_sim, seqs)
-    half = m_sim // 2
     times = []
     for x in range(x0, cut + 1, group):
-        first = next(i for i, ins in enumerate(seqs[0])
-                     if ins.kind == "F" and (ins.micro - half if directions == 2 and ins.micro >= half else ins.micro) >= x)  # fmt: skip
+        first = next(i for i, ins in enumerate(seqs[0]) if ins.kind == "F" and _progress(schedule, m_sim, ins.micro) >= x)
         times.append(starts[0][first])
     points = []
     for r, seq in enumerate(seqs):
@@ -267,10 +270,6 @@ class WindowRun:
         if j < self.n_points - 1:
             return t
         return self._jump(eng, r, t)
-
-    def sent(self, r: int) -> bool:
-        """Whether stage ``r`` has jumped (a message it sends now carries the jump)."""
-        return self.jumped[r]
 
     def arrival(self, eng, r: int, src: int, sent_after_jump: bool, arrive: np.ndarray):
         """When a message from stage ``src`` reaches stage ``r``. Sent before the sender's cut and

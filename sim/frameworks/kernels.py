@@ -29,6 +29,9 @@ from sim.routing.plan import RoutingPlan
 
 #: FlashAttention-2 backward: 5 matmuls against the forward's 2, i.e. 2.5x the forward FLOPs.
 ATTENTION_BWD_FACTOR = 2.5
+#: HBM bytes per logit of a fused cross entropy, each way: read the fp32 logits once (forward: loss and
+#: softmax; backward: the gradient) and write once.
+FUSED_CE_BYTES = 8.0
 COMPUTE_NAMES = (
     "embedding", "attention", "route", "permute", "experts", "unpermute", "shared_experts", "mlp", "output", "grad_hooks",
 )  # fmt: skip
@@ -107,7 +110,7 @@ class KernelBlocks:
             return f + norm + topk_f, b + 2 * norm + topk_b, fl
         if name == "output":
             f, b, fl = self._gemms([lm_head_gemm(m)], T)
-            ce = self._mem(2 * T * m.vocab_size * 4, kernels=2)
+            ce = self._mem(T * m.vocab_size * FUSED_CE_BYTES, kernels=2)
             return f + norm + ce, b + norm + ce, fl
         assert self.plan is not None and moe is not None
         plan = self.plan
@@ -129,4 +132,4 @@ class KernelBlocks:
         return gathered, gathered, np.zeros(self.world)
 
 
-__all__ = ["ATTENTION_BWD_FACTOR", "COMPUTE_NAMES", "KernelBlocks"]
+__all__ = ["ATTENTION_BWD_FACTOR", "COMPUTE_NAMES", "FUSED_CE_BYTES", "KernelBlocks"]

@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from sim.frameworks.dispatcher import dispatcher_work
-from sim.frameworks.kernels import ATTENTION_BWD_FACTOR
+from sim.frameworks.kernels import ATTENTION_BWD_FACTOR, FUSED_CE_BYTES
 from sim.hardware.costs import CostModel
 from sim.inputs.scenario import Scenario
 from sim.model.dtypes import (
@@ -50,10 +50,6 @@ from sim.model.flops import (
 )
 from sim.routing.plan import RoutingPlan
 
-#: GEMMs split along N (column-parallel) under tensor parallelism; the rest of the TP-split ones along K.
-#: HBM bytes per logit of a fused cross entropy, each way: read the fp32 logits once (forward: loss and
-#: softmax; backward: the gradient) and write once.
-FUSED_CE_BYTES = 8.0
 #: Megatron-LM's unfused vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py,
 #: identical at 1e057005 and 00611e6e), per logit: forward ``.float()`` (read 2, write 4), ``max``
 #: (read 4), ``-= logits_max`` (8), ``torch.exp(out=)`` (8), ``sum`` (4), ``div_`` (8) = 38 bytes in 6
@@ -61,6 +57,7 @@ FUSED_CE_BYTES = 8.0
 #: ``.float()``'s gradient cast back to bf16 (read 4, write 2) = 14 bytes in 3 kernels (+ index update).
 UNFUSED_CE_FWD_BYTES, UNFUSED_CE_FWD_KERNELS = 38.0, 8
 UNFUSED_CE_BWD_BYTES, UNFUSED_CE_BWD_KERNELS = 14.0, 3
+#: GEMMs split along N (column-parallel) under tensor parallelism; the rest of the TP-split ones along K.
 _COLUMN = ("linear_qkv", "linear_q", "linear_q_up", "linear_kv_up", "linear_fc1", "output_layer")
 _ROW = ("linear_proj", "linear_fc2")
 #: Routing-dependent blocks kept priced (oldest dropped first): a micro-batch's forward's for its backward.

@@ -54,52 +54,51 @@ def in_flight(s: Scenario, rank: int) -> float:
     return float(min(p.pp - rank, m))
 
 
+def _block(s: Scenario, i: int) -> tuple[int, int]:
+    """(non-expert, expert) parameters per rank of layer ``i``: dense weights over tp, its rank's experts over etp."""
+    lp, p = layer_params(s.model, i), s.parallelism
+    ne = (lp.attention + lp.dense_ffn) // p.tp + lp.shared_expert + lp.router + lp.norms
+    return ne, ceil_div(lp.expert_each * s.experts_per_rank, p.etp)
+
+
+def _root(s: Scenario, rank: int) -> int:
+    """Non-expert parameters per rank of stage ``rank``'s embedding, LM head and final norm."""
+    m, p = s.model, s.parallelism
+    counts = count_params(m)
+    output = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size
+    final_norm = counts.norms - sum(layer_params(m, i).norms for i in range(m.num_layers))
+    root = 0
+    for vs in rank_chunks(s)[rank]:
+        if vs.embedding:
+            root += (counts.embedding - output) // p.tp
+        if vs.head:
+            root += output // p.tp + final_norm
+    return root
+
+
 def _stage_params(s: Scenario, rank: int) -> tuple[int, int, list[int]]:
     """(non-expert params, expert params, layers) on one rank of pipeline stage ``rank``."""
-    m, p = s.model, s.parallelism
-    chunks = rank_chunks(s)[rank]
-    counts = count_params(m)
-    final_norm = counts.norms - sum(layer_params(m, i).norms for i in range(m.num_layers))
-    output = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size
-    ne = ex = 0
-    layers: list[int] = []
-    for vs in chunks:
-        for i in vs.layers:
-            lp = layer_params(m, i)
-            ne += (lp.attention + lp.dense_ffn) // p.tp + lp.shared_expert + lp.router + lp.norms
-            ex += ceil_div(lp.expert_each * s.experts_per_rank, p.etp)
-            layers.append(i)
-        if vs.embedding:
-            ne += (counts.embedding - output) // p.tp
-        if vs.head:
-            ne += output // p.tp + final_norm + counts.mtp - counts.mtp_expert
-            ex += ceil_div(counts.mtp_expert, s.ep * p.etp)
+    counts = count_params(s.model)
+    layers = [i for vs in rank_chunks(s)[rank] for i in vs.layers]
+    blocks = [_block(s, i) for i in layers]
+    ne, ex = sum(b[0] for b in blocks) + _root(s, rank), sum(b[1] for b in blocks)
+    if any(vs.head for vs in rank_chunks(s)[rank]):
+        ne += counts.mtp - counts.mtp_expert
+        ex += ceil_div(counts.mtp_expert, s.ep * s.parallelism.etp)
     return ne, ex, layers
 
 
 def fsdp2_gathered_bytes(s: Scenario, rank: int) -> int:
     """Bytes of the unsharded parameter copies FSDP2's all-gathers hold at stage ``rank``'s peak."""
-    m, p = s.model, s.parallelism
     wb = BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]
-    dense, experts = s.dp * p.cp > 1, s.edp > 1
-    blocks, root = [], 0
-    counts = count_params(m)
-    output = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size
-    for vs in rank_chunks(s)[rank]:
-        for i in vs.layers:
-            lp = layer_params(m, i)
-            ne = (lp.attention + lp.dense_ffn) // p.tp + lp.shared_expert + lp.router + lp.norms
-            ex = ceil_div(lp.expert_each * s.experts_per_rank, p.etp)
-            blocks.append(ne * dense + ex * experts)
-        if vs.embedding:
-            root += (counts.embedding - output) // p.tp
-        if vs.head:
-            root += output // p.tp + counts.norms - sum(layer_params(m, i).norms for i in range(m.num_layers))
+    dense, experts = s.dp * s.parallelism.cp > 1, s.edp > 1
+    pairs = [_block(s, i) for vs in rank_chunks(s)[rank] for i in vs.layers]
+    blocks = [ne * dense + ex * experts for ne, ex in pairs]
     if s.training.reshard_after_forward:
         live = max((a + b for a, b in zip(blocks, blocks[1:], strict=False)), default=sum(blocks))
     else:
         live = sum(blocks)
-    return (live + root * dense) * wb
+    return (live + _root(s, rank) * dense) * wb
 
 
 def _states(s: Scenario, ne: int, ex: int) -> tuple[int, int, int, int]:
