@@ -265,10 +265,11 @@ class Scenario(StrictModel):
         if p.pp == 1:
             if p.first_stage_layers is not None or p.last_stage_layers is not None:
                 raise InputError("first/last_stage_layers need pp > 1", field="parallelism.pp")
-            return
+            if p.pipeline_layout is None:
+                return
         from sim.inputs.stages import stage_layers
 
-        stage_layers(self)  # raises with the field when the layers do not fit the stages
+        stage_layers(self)  # raises with the field when the layers (or the layout) do not fit the stages
         m_count = t.grad_accum_steps
         if p.schedule == "interleaved" and m_count % p.pp:
             raise InputError(

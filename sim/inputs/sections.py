@@ -14,6 +14,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from sim.inputs.model_section import ModelConfig  # noqa: F401  (re-exported: the model section lives there)
+from sim.inputs.stages import parse_layout
 from sim.inputs.yamlio import StrictModel, field_error
 
 _STRICT = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
@@ -88,6 +89,13 @@ class ParallelismConfig(StrictModel):
     loss_as_layer: bool = Field(
         default=False, description="count the LM head and loss as a layer when splitting stages (account_for_loss_in_pipeline_split)"
     )
+    pipeline_layout: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=10_000,
+        description="Megatron-Core's custom layout (--pipeline-model-parallel-layout), e.g. 'Et*4|(t*4|)*14tmL': the "
+        "pp x vpp virtual stages, '|'-separated, of E (embedding), t (decoder layer), m (MTP layer), L (loss)",
+    )
 
     @property
     def schedule(self) -> str:
@@ -106,6 +114,29 @@ class ParallelismConfig(StrictModel):
             raise field_error("pp_schedule", f"dualpipe runs its own two chunks per rank: vpp must be 1, got {self.vpp}")
         if self.sequence_parallel and self.tp == 1:
             raise field_error("sequence_parallel", "sequence_parallel needs tp > 1")
+        return self
+
+    @model_validator(mode="after")
+    def _check_pipeline_layout(self) -> ParallelismConfig:
+        """The layout's syntax and stage count here; its layers against the model in :mod:`sim.inputs.stages`."""
+        if self.pipeline_layout is None:
+            return self
+        for name in ("first_stage_layers", "last_stage_layers", "embedding_as_layer", "loss_as_layer"):
+            if getattr(self, name) is not None and getattr(self, name) is not False:  # 0 layers is set
+                raise field_error(name, f"pipeline_layout places every layer itself: it cannot be set with {name} "
+                                  "(Megatron-Core refuses the two together); leave one out")  # fmt: skip
+        if self.pp_schedule == "dualpipe":
+            raise field_error("pipeline_layout", "dualpipe splits the model into its own pp stages: a pipeline_layout "
+                              "needs pp_schedule 1f1b or interleaved")  # fmt: skip
+        try:
+            n = len(parse_layout(self.pipeline_layout))
+        except ValueError as exc:
+            raise field_error("pipeline_layout", str(exc)) from None
+        if n % self.pp or n // self.pp != self.vpp:
+            fix = f"set vpp: {n // self.pp}" if n % self.pp == 0 else "the stages must be a multiple of pp"
+            raise field_error("pipeline_layout", f"{n} virtual stages ('|'-separated) where pp x vpp = {self.pp} x "
+                              f"{self.vpp} = {self.pp * self.vpp}: {fix} (Megatron-Core derives vpp from the layout; "
+                              "a scenario states it, as the schedule depends on it)")  # fmt: skip
         return self
 
 

@@ -10,11 +10,19 @@ first chunks taking one more where they do not divide) and spread the rest evenl
 loss and MTP modules on the last. DualPipe (``pp_schedule: dualpipe``) splits the model into pp
 stages and keeps two copies of the parameters: rank r holds stage r (chunk 0, for micro-batches
 entering at rank 0) and stage pp - 1 - r (chunk 1, for those entering at rank pp - 1).
+
+``pipeline_layout`` is Megatron-Core's custom layout (``--pipeline-model-parallel-layout``,
+``PipelineParallelLayerLayout``): the ``pp x vpp`` virtual stages in model order, ``|``-separated, each
+a string of E (embedding), t (decoder layer), m (MTP layer) and L (loss), with ``(...)*n`` and ``x*n``
+repeats and commas ignored, e.g. ``Et*4|(t*4|)*14tmL``. The embedding must be on virtual stage 0 and
+the loss and MTP layers on the last (Megatron's standalone MTP is not modelled); stages may be empty.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from sim.errors import InputError
 
@@ -49,6 +57,80 @@ def _even(units: int, parts: int, field_name: str, what: str) -> int:
     return units // parts
 
 
+#: pipeline_layout's characters (Megatron-Core's LayerType)
+LAYOUT_CHARS = {"E": "embedding", "t": "decoder layer", "m": "MTP layer", "L": "loss"}
+_LAYOUT_FIELD = "parallelism.pipeline_layout"
+_MAX_UNROLLED = 1_000_000  # characters a layout may unroll to: far past any model
+_SYNTAX = "E embedding, t decoder layer, m MTP layer, L loss, '|' between stages, (...)*n and x*n repeat"
+
+
+@lru_cache(maxsize=64)
+def parse_layout(text: str) -> tuple[str, ...]:
+    """The virtual stages of a layout string, each a string of E/t/m/L (Megatron-Core's
+    ``PipelineParallelLayerLayout.parse_str_to_list``: commas removed, ``(...)*n`` then ``x*n`` unrolled,
+    split on ``|``): ``"Ettt|(tt|)*29,m|L"`` -> ``("Ettt", "tt", ... "tt", "m", "L")``, 31 stages.
+    Raises ``ValueError`` naming the bad character."""
+    flat, total = text.replace(",", ""), 0
+
+    def unroll(m: re.Match) -> str:
+        nonlocal total
+        total += len(m.group(1)) * int(m.group(2))
+        if total > _MAX_UNROLLED:
+            raise ValueError(f"pipeline_layout unrolls to more than {_MAX_UNROLLED:,} characters")
+        return m.group(1) * int(m.group(2))
+
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):
+        flat = re.sub(pattern, unroll, flat)
+    stages = tuple(flat.split("|"))
+    for i, stage in enumerate(stages):
+        bad = next((c for c in stage if c not in LAYOUT_CHARS), None)
+        if bad is not None:
+            shown = stage if len(stage) <= 60 else stage[:57] + "..."
+            raise ValueError(f"invalid character {bad!r} in virtual stage {i} ({shown!r}); {_SYNTAX}")
+    return stages
+
+
+def _layout_counts(s) -> list[int]:
+    """Decoder layers per virtual stage of ``parallelism.pipeline_layout``, checked against the model
+    as Megatron-Core's ``validate_layer_layout`` does, plus where this simulator puts the embedding,
+    the loss and the MTP modules."""
+    p, m = s.parallelism, s.model
+
+    def bad(message: str) -> InputError:
+        return InputError(f"pipeline_layout {p.pipeline_layout!r}: {message}", field=_LAYOUT_FIELD)
+
+    if p.schedule == "dualpipe":
+        raise bad("dualpipe splits the model into its own pp stages; use 1f1b or interleaved with a layout")
+    try:
+        stages = parse_layout(p.pipeline_layout)
+    except ValueError as exc:
+        raise InputError(str(exc), field=_LAYOUT_FIELD) from None
+    if len(stages) != p.pp * p.vpp:
+        raise bad(f"{len(stages)} virtual stages, pp x vpp = {p.pp} x {p.vpp} = {p.pp * p.vpp} expected")
+    flat = "".join(stages)
+    if flat[:1] != "E" or flat[-1:] != "L":
+        raise bad(f"the first layer must be E (embedding) and the last L (loss), got {flat[:1]!r} and {flat[-1:]!r}")  # fmt: skip
+    if flat.count("E") != 1 or flat.count("L") != 1:
+        raise bad(f"E and L must appear once each, got {flat.count('E')} E and {flat.count('L')} L")
+    if flat.count("t") != m.num_layers:
+        raise bad(f"{flat.count('t')} decoder layers (t), model.num_layers is {m.num_layers}")
+    if flat.count("m") != m.mtp_layers:
+        raise bad(f"{flat.count('m')} MTP layers (m), model.mtp_layers is {m.mtp_layers}")
+    if "m" in flat and "t" in flat[flat.index("m") :]:
+        raise bad("decoder layers (t) must all come before the MTP layers (m)")
+    for char, what, want in (("E", "E (embedding)", 0), ("L", "L (loss)", len(stages) - 1)):
+        at = next(i for i, st in enumerate(stages) if char in st)
+        if at != want:
+            raise bad(f"{what} is in virtual stage {at}; the simulator puts the embedding on virtual stage 0 and "
+                      f"the LM head and loss on the last ({len(stages) - 1}): no empty stage before E or after L")  # fmt: skip
+    mtp_at = [i for i, st in enumerate(stages[:-1]) if "m" in st]
+    if mtp_at:
+        raise bad(f"MTP layers (m) in virtual stage {mtp_at[0]}, not the last ({len(stages) - 1}): standalone MTP "
+                  "(Megatron-Core's mtp_standalone) is not modelled; the simulator runs the MTP modules with the "
+                  "LM head and loss, so put every m in the last stage, before L (e.g. ...|tmL)")  # fmt: skip
+    return [st.count("t") for st in stages]
+
+
 def stage_layers(s) -> list[VirtualStage]:
     """The virtual stages of scenario ``s`` in model order (``len = pp x chunks``)."""
     p, layers = s.parallelism, s.model.num_layers
@@ -60,7 +142,9 @@ def stage_layers(s) -> list[VirtualStage]:
         return v % p.pp, v // p.pp
 
     counts: list[int]
-    if p.first_stage_layers is None and p.last_stage_layers is None:
+    if p.pipeline_layout is not None:
+        counts = _layout_counts(s)
+    elif p.first_stage_layers is None and p.last_stage_layers is None:
         units = layers + int(p.embedding_as_layer) + int(p.loss_as_layer)
         what = f"{layers} layers" + (" + embedding" if p.embedding_as_layer else "") + (
             " + loss" if p.loss_as_layer else "")  # fmt: skip
@@ -118,4 +202,12 @@ def rank_chunks(s) -> list[list[VirtualStage]]:
     return by_rank
 
 
-__all__ = ["VirtualStage", "chunks_per_rank", "model_chunks", "rank_chunks", "stage_layers"]
+__all__ = [
+    "LAYOUT_CHARS",
+    "VirtualStage",
+    "chunks_per_rank",
+    "model_chunks",
+    "parse_layout",
+    "rank_chunks",
+    "stage_layers",
+]
