@@ -7,8 +7,9 @@ then MoE ``route permute [capacity sync] dispatch [etp all-gather] experts [etp 
 combine unpermute shared_experts`` or dense ``[tp all-gather] mlp [tp reduce-scatter]``. Backward
 mirrors it (the gradient of an all-gather is a reduce-scatter and vice versa; the gradient of combine
 runs in the dispatch direction). Full recompute runs the layer's forward again, collectives included,
-before its backward; selective recompute (Megatron ``recompute_modules`` layernorm + moe_act) adds the
-norms and the expert activations. The first model stage starts with the embedding, the last ends
+before its backward; selective recompute (Megatron's ``recompute_modules``, by default layernorm +
+moe_act) adds the recomputed modules' kernels, and for ``moe`` / ``mlp`` the block's forward ops again,
+its all-to-alls or TP collectives included. The first model stage starts with the embedding, the last ends
 with the LM head and loss (and DeepSeek-V3's MTP modules); gradients are handed to the comm stream
 after each layer's backward (:mod:`sim.frameworks.policies` decides when they are reduced).
 """
@@ -36,6 +37,10 @@ from sim.inputs.scenario import Scenario
 from sim.inputs.stages import VirtualStage, rank_chunks
 from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div, storage_dtype
 from sim.model.params import count_params, layer_params, layer_tensors, outer_tensors
+
+#: recompute_modules priced as one ``selective_recompute`` kernel (:meth:`Pricer.selective_recompute`);
+#: ``moe`` and ``mlp`` run their block's forward ops again, collectives included.
+KERNEL_RECOMPUTE = frozenset({"layernorm", "moe_act", "core_attn", "mla_up_proj", "shared_experts"})
 
 
 class _Layers:
@@ -118,7 +123,14 @@ class _Layers:
         if recompute == "full":
             ops += [Kernels(op.kernels, op.layer, "fwd") if isinstance(op, Kernels) else op for op in self.forward(i)]
         elif recompute == "selective":
-            ops.append(Kernels([Kernel("selective_recompute", i, moe)], i))
+            mods = self.s.training.recompute_set
+            if mods & KERNEL_RECOMPUTE:
+                ops.append(Kernels([Kernel("selective_recompute", i, moe)], i))
+            if ("moe" in mods and moe is not None) or ("mlp" in mods and moe is None):  # the whole block again
+                fwd = self.forward(i)
+                at = next(k for k, op in enumerate(fwd) if isinstance(op, Kernels) and op.kernels[0].name == "attention")
+                ops += [Kernels(op.kernels, op.layer, "fwd") if isinstance(op, Kernels) else op
+                        for op in fwd[at + 1 + len(self._tp(i, "attention", False)):]]  # fmt: skip
         if moe is None:
             ops += [*self._tp(i, "mlp", True), Kernels([Kernel("mlp", i)], i), *self._tp(i, "mlp", False)]
         else:

@@ -149,12 +149,7 @@ class Pricer:
             out = (e, e, 0.0, 0.0)
         elif name == "attention":
             f, dg, wg, fl = self._gemms(attention_gemms(m), T, tp)
-            seq = self.s.training.seq_len
-            core = attention_core_flops_layer(m, seq, layer) * self.s.training.micro_batch_size / (self.cp * tp)
-            io = 4 * T * (m.num_attention_heads // tp) * m.head_size * bpe
-            core_dt = "bf16" if self.fp8 else self.dt  # FlashAttention runs bf16 under FP8 recipes
-            cf = self.cost.attention_time(core, io, core_dt)
-            cb = self.cost.attention_time(ATTENTION_BWD_FACTOR * core, 2 * io, core_dt)
+            cf, cb, core = self._attention_core(layer)
             extra = norm + self._mem(3 * Tsp * d * bpe, kernels=2)  # rope, residual
             out = (float(f[0]) + cf + extra, float(dg[0]) + cb + 2 * extra, float(wg[0]), float(fl[0]) + core)
         elif name == "mlp":
@@ -225,19 +220,41 @@ class Pricer:
         return g, g, z, z
 
     def selective_recompute(self, layer: int, moe: int | None, micro: int, q: np.ndarray, stage: int) -> np.ndarray:
-        """Seconds of Megatron's selective recompute (``recompute_modules`` layernorm + moe_act) of one
-        layer before its backward: its two norms and the expert (or dense FFN) activation."""
-        m, d, bpe = self.m, self.m.hidden_size, self.bpe
-        norms = 2 * self._mem(2 * self.T_sp * d * bpe)
-        if moe is not None and self.plan is not None:
+        """Seconds of Megatron's selective recompute of one layer before its backward, by
+        ``recompute_modules`` (:attr:`TrainingConfig.recompute_set`): ``layernorm`` the two norms,
+        ``moe_act`` the experts' activation (MoE layers), ``core_attn`` the attention core's forward,
+        ``mla_up_proj`` MLA's query / key-value up projections and RoPE, ``shared_experts`` the shared
+        experts' forward. ``moe`` and ``mlp`` (a block's whole forward, its collectives included) are not
+        one kernel: the program runs those ops again (:mod:`sim.frameworks.builder`)."""
+        m, d, bpe, mods = self.m, self.m.hidden_size, self.bpe, self.s.training.recompute_set
+        secs = np.zeros(len(q))
+        if "layernorm" in mods:
+            secs += 2 * self._mem(2 * self.T_sp * d * bpe)
+        if "moe_act" in mods and moe is not None and self.plan is not None:
             rows = self._expert_rows(moe, micro, q).sum(axis=1)
             width = (m.moe_ffn_hidden_size or d) // self.etp
             passes = (3 if m.ffn_type == "gated" else 2) + expert_activation_passes(m)
-            act = rows * width * bpe * passes / self.cost.hbm_Bps + self.s.experts_per_rank * self.cost.launch_s
-        else:
-            width = (m.ffn_hidden_size or d) // self.tp
-            act = np.full(len(q), self._mem(self.T * width * bpe * (3 if m.ffn_type == "gated" else 2)))
-        return (norms + act) * self.factor[q + stage * self.s.layout.stage_size]
+            secs += rows * width * bpe * passes / self.cost.hbm_Bps + self.s.experts_per_rank * self.cost.launch_s
+        if "core_attn" in mods:
+            secs += self._attention_core(layer)[0]
+        if "mla_up_proj" in mods and m.attention == "mla":
+            ups = [g for g in attention_gemms(m) if g.name in ("linear_q_up", "linear_kv_up")]
+            heads = m.num_attention_heads // self.tp
+            rope = self._mem(2 * self.T * (heads + 1) * (m.qk_rope_head_dim or 0) * bpe, kernels=2)  # q_pe, k_pe r+w
+            secs += float(self._gemms(ups, self.T, self.tp)[0][0]) + rope
+        if "shared_experts" in mods and moe is not None and m.num_shared_experts:
+            secs += self._static("shared_experts", layer)[0]
+        return secs * self.factor[q + stage * self.s.layout.stage_size]
+
+    def _attention_core(self, layer: int) -> tuple[float, float, float]:
+        """(forward s, backward s, FLOPs) of layer ``layer``'s attention core on one rank."""
+        m, bpe, tp = self.m, self.bpe, self.tp
+        seq = self.s.training.seq_len
+        core = attention_core_flops_layer(m, seq, layer) * self.s.training.micro_batch_size / (self.cp * tp)
+        io = 4 * self.T * (m.num_attention_heads // tp) * m.head_size * bpe
+        core_dt = "bf16" if self.fp8 else self.dt  # FlashAttention runs bf16 under FP8 recipes
+        cf = self.cost.attention_time(core, io, core_dt)
+        return cf, self.cost.attention_time(ATTENTION_BWD_FACTOR * core, 2 * io, core_dt), core
 
     def price(self, name: str, layer: int, moe: int | None, micro: int, part: str, q: np.ndarray,
               stage: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip

@@ -165,6 +165,7 @@ class Scenario(StrictModel):
             )
         self._check_files()
         self._check_dtype()
+        self._check_recompute_modules()
         world = self.world_size
         p = self.parallelism
         model_par = p.tp * p.cp * p.pp
@@ -237,6 +238,21 @@ class Scenario(StrictModel):
                 f"for {', '.join(gpu.peak_TFLOPs)} only" + ("; on Hopper use fp8 with fp8_recipe: blockwise"
                                                             if dtype == "mxfp8" and "fp8" in gpu.peak_TFLOPs else ""),
                 field="training.dtype",
+            )
+
+    def _check_recompute_modules(self) -> None:
+        """Megatron-Core's own checks on recompute_modules: mla_up_proj needs MLA attention."""
+        mods, m = self.training.recompute_modules or [], self.model
+        if "mla_up_proj" in mods and m.attention != "mla":
+            raise InputError(
+                f"recompute_modules: mla_up_proj recomputes MLA's up projections; model.attention is {m.attention!r}",
+                field="training.recompute_modules",
+            )
+        if self.training.framework == "deepspeed" and self.training.recompute_modules is not None:
+            raise InputError(
+                "recompute_modules are Megatron-Core's selective recompute; framework is 'deepspeed' (its "
+                "activation checkpointing recomputes whole layers: activation_checkpointing: full)",
+                field="training.recompute_modules",
             )
 
     def _check_model_split(self) -> None:

@@ -22,6 +22,11 @@ _WIDTH = 1_000_000  # upper bound on head counts, head and low-rank widths: far 
 _FFN = 100_000_000  # upper bound on FFN widths
 
 POLICIES = ("topk", "node_limited", "device_limited")
+#: Megatron-Core's ``recompute_modules`` (transformer_config.py) this simulator prices; ``selective``
+#: without a list recomputes the first two (this schema's meaning of selective since it existed).
+RECOMPUTE_MODULES = ("layernorm", "moe_act", "core_attn", "mla_up_proj", "mlp", "moe", "shared_experts")
+RecomputeModule = Literal["layernorm", "moe_act", "core_attn", "mla_up_proj", "mlp", "moe", "shared_experts"]
+SELECTIVE_DEFAULT = ("layernorm", "moe_act")
 #: Collective kinds (nccl-tests names); calibration files key their bytes factors by them.
 Kind = Literal["all_to_all", "all_reduce", "reduce_scatter", "all_gather"]
 KINDS: tuple[str, ...] = ("all_to_all", "all_reduce", "reduce_scatter", "all_gather")
@@ -192,8 +197,13 @@ class TrainingConfig(StrictModel):
     offload_optimizer: Literal["none", "cpu"] = "none"
     activation_checkpointing: Literal["full", "selective", "none"] = Field(
         default="none",
-        description="recompute in backward: full (each layer's forward), selective (norms and expert "
-        "activations, Megatron's recompute_modules layernorm + moe_act) or none; true/false = full/none",
+        description="recompute in backward: full (each layer's forward), selective (recompute_modules; by "
+        "default norms and expert activations, Megatron's layernorm + moe_act) or none; true/false = full/none",
+    )
+    recompute_modules: list[RecomputeModule] | None = Field(
+        default=None,
+        description="Megatron-Core's selective recompute_modules: " + ", ".join(RECOMPUTE_MODULES) + "; "
+        "setting it means activation_checkpointing: selective (default there: layernorm, moe_act)",
     )
     recompute_num_layers: int | None = Field(
         default=None,
@@ -219,6 +229,30 @@ class TrainingConfig(StrictModel):
     def _recompute_bool(cls, v: Any) -> Any:
         return {True: "full", False: "none"}.get(v, v) if isinstance(v, bool) else v
 
+    @model_validator(mode="before")
+    @classmethod
+    def _modules_mean_selective(cls, data: Any) -> Any:
+        """``recompute_modules`` alone selects selective recompute; with full or none it is an error."""
+        if isinstance(data, dict) and data.get("recompute_modules") is not None:
+            ac = cls._recompute_bool(data.get("activation_checkpointing", "selective"))
+            if ac != "selective":
+                raise field_error(
+                    "recompute_modules",
+                    f"recompute_modules lists what selective recompute recomputes; activation_checkpointing is "
+                    f"{ac!r} (leave it out or set it to selective)",
+                )
+            data = {**data, "activation_checkpointing": "selective"}
+        return data
+
+    @field_validator("recompute_modules")
+    @classmethod
+    def _modules_once(cls, v: list[str] | None) -> list[str] | None:
+        if v is not None and len(set(v)) != len(v):
+            raise ValueError(f"recompute_modules lists a module twice: {v}")
+        if v is not None and not v:
+            raise ValueError("recompute_modules is empty: leave it out, or use activation_checkpointing: none")
+        return v
+
     @model_validator(mode="after")
     def _recompute_layers_need_full(self) -> TrainingConfig:
         if self.recompute_num_layers is not None and self.activation_checkpointing != "full":
@@ -243,6 +277,13 @@ class TrainingConfig(StrictModel):
     def recompute(self) -> bool:
         """Whether backward recomputes anything (full or selective checkpointing)."""
         return self.activation_checkpointing != "none"
+
+    @property
+    def recompute_set(self) -> frozenset[str]:
+        """The modules selective recompute recomputes (empty unless selective)."""
+        if self.activation_checkpointing != "selective":
+            return frozenset()
+        return frozenset(self.recompute_modules or SELECTIVE_DEFAULT)
 
 
 class RoutingConfig(StrictModel):

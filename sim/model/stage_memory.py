@@ -32,6 +32,7 @@ from sim.model.memory import (
     FP32_BYTES,
     GiB,
     MemoryBreakdown,
+    ffn_activation_elements,
     layer_activation_bytes,
     model_state_bytes,
     optimizer_bytes_per_param,
@@ -129,6 +130,34 @@ def _checkpointed(s: Scenario, rank: int, layers: list[int]) -> set[int]:
     return {i for vs in rank_chunks(s)[rank] for i in vs.layers[:n]}
 
 
+def _not_kept(s: Scenario, tokens: int, rows: int, act: int, moe: bool) -> int:
+    """Bytes of one layer's activations that selective recompute's modules drop (their outputs are
+    recomputed in backward; terms of :func:`~sim.model.memory.layer_activation_bytes`): ``layernorm`` the
+    two norms' outputs, ``moe_act`` the experts' activation output, ``mla_up_proj`` MLA's Q, K and V,
+    ``mlp`` / ``moe`` / ``shared_experts`` everything their block keeps but its input. ``core_attn``
+    keeps its inputs and output: under FlashAttention nothing more is dropped."""
+    m, mods, d = s.model, s.training.recompute_set, s.model.hidden_size
+    out = 2 * tokens * d * act if "layernorm" in mods else 0
+    if moe:
+        width = m.moe_ffn_hidden_size or d
+        if "moe" in mods:
+            shared = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or width)
+            out += ffn_activation_elements(rows, d, width, m.ffn_type) * act  # dispatched rows and all after them
+            out += 2 * tokens * m.num_experts * FP32_BYTES + tokens * m.top_k * FP32_BYTES + rows * d * act
+            out += ((ffn_activation_elements(tokens, d, shared, m.ffn_type) - tokens * d) * act) if shared else 0
+        else:
+            out += rows * width * act if "moe_act" in mods else 0
+            if "shared_experts" in mods and m.num_shared_experts:
+                shared = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or width)
+                out += (ffn_activation_elements(tokens, d, shared, m.ffn_type) - tokens * d) * act
+    elif "mlp" in mods:
+        out += (ffn_activation_elements(tokens, d, m.ffn_hidden_size or d, m.ffn_type) - tokens * d) * act
+    if "mla_up_proj" in mods and m.attention == "mla":
+        qk = (m.qk_nope_head_dim or 0) + (m.qk_rope_head_dim or 0)
+        out += tokens * m.num_attention_heads * (2 * qk + (m.v_head_dim or 0)) * act
+    return out
+
+
 def _activations(s: Scenario, layers: list[int], rank: int, head: bool) -> int:
     m, t, p = s.model, s.training, s.parallelism
     act = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
@@ -145,10 +174,8 @@ def _activations(s: Scenario, layers: list[int], rank: int, head: bool) -> int:
         kept = [a for i, a in zip(layers, per, strict=True) if i not in ck]
         one = len(ck) * tokens * m.hidden_size * act + sum(kept)
         return int(one * in_flight(s, rank)) + (max(per) if ck else 0) + logits
-    if t.activation_checkpointing == "selective":  # norms' outputs and expert activations recomputed
-        width = m.moe_ffn_hidden_size or m.hidden_size
-        saved = [2 * tokens * m.hidden_size * act + (rows * width * act if layer_params(m, i).num_experts else 0)
-                 for i in layers]  # fmt: skip
+    if t.activation_checkpointing == "selective":  # what the recompute_modules no longer keep
+        saved = [_not_kept(s, tokens, rows, act, bool(layer_params(m, i).num_experts)) for i in layers]
         per = [max(a - b, 0) for a, b in zip(per, saved, strict=True)]
     return int(sum(per) * in_flight(s, rank)) + logits
 

@@ -31,7 +31,7 @@ DEFAULT_GLOBAL_BATCH = 1024
 DEFAULT_SEQ_LEN = 4096
 #: layout fields every candidate sets (a scenario's own values are dropped from the base)
 _LAYOUT = ("tp", "cp", "pp", "vpp", "dp", "ep", "etp", "pp_schedule", "first_stage_layers", "last_stage_layers",
-           "embedding_as_layer", "loss_as_layer")  # fmt: skip
+           "embedding_as_layer", "loss_as_layer", "pipeline_layout")  # fmt: skip
 
 
 @dataclass
@@ -150,7 +150,9 @@ def build_base(model: str | Path, topology: str, gpus: int, *, global_batch: int
                          field="--headroom")  # fmt: skip
     t.update({"micro_batch_size": 1, "grad_accum_steps": 1, "global_batch_size": None, "seq_len": seq,
               "framework": fw[0]})  # fmt: skip
-    t.pop("recompute_num_layers", None)  # recompute is searched whole (none / selective / full of every layer)
+    # recompute is searched whole: none / selective (layernorm + moe_act) / full of every layer
+    t.pop("recompute_num_layers", None)
+    t.pop("recompute_modules", None)
     if dtype:
         t["dtype"] = dtype
     if not is_scenario:

@@ -108,12 +108,14 @@ class Screen:
         return f, b
 
     def layer(self, s: Scenario, i: int) -> tuple[float, float, float, float, float]:
-        """(forward kernels, backward kernels, recompute kernels, forward comm, a2a per pass) of layer
-        ``i`` for one micro-batch on one rank; comm excludes the all-to-alls (reported apart)."""
+        """(forward kernels, backward kernels, recompute kernels, comm, all-to-all) of layer ``i`` for
+        one micro-batch on one rank, forward and backward (and what recompute runs again); comm excludes
+        the all-to-alls (reported apart)."""
         p, t, m = s.parallelism, s.training, s.model
         moe = m.is_moe_layer(i)
         window = m.attention_window(i)
-        key = (p.tp, p.cp, p.etp, s.ep, t.micro_batch_size, t.dtype, t.activation_checkpointing, moe, window,
+        key = (p.tp, p.cp, p.etp, s.ep, t.micro_batch_size, t.dtype, t.activation_checkpointing, t.recompute_set,
+               moe, window,
                s.collectives.all_to_all, s.sequence_parallel, s.collectives.tp_comm_overlap)  # fmt: skip
         hit = self._layer.get(key)
         if hit is not None:
@@ -129,7 +131,8 @@ class Screen:
         io = 4 * T * (m.num_attention_heads // tp) * m.head_size * bpe
         cdt = "bf16" if t.dtype in ("fp8", "mxfp8") else dt
         extra = norm + mem(3 * Tsp * d * bpe, 2)
-        f += self.cost.attention_time(core, io, cdt) + extra
+        core_f = self.cost.attention_time(core, io, cdt)
+        f += core_f + extra
         b += self.cost.attention_time(ATTENTION_BWD_FACTOR * core, 2 * io, cdt) + 2 * extra
         act = T * d * bpe
         tp_comm = 0.0 if s.collectives.tp_comm_overlap or not s.sequence_parallel else 2 * self._ring(tp, act, tp)
@@ -148,17 +151,29 @@ class Screen:
             sf, sb = self._gemms(shared_expert_gemms(m), Tsp, 1, dt)
             f += rf + norm + 2 * perm + per * (ef + eact) + sf
             b += rb + 2 * norm + 2 * perm + per * (eb + 2 * eact) + sb
-            selective = 2 * norm + per * eact
-            comm += 2 * self._ring(p.etp, copies * d * bpe * p.etp, p.etp)
+            block_f = rf + norm + 2 * perm + per * (ef + eact) + sf
+            etp_comm = 2 * self._ring(p.etp, copies * d * bpe * p.etp, p.etp)
+            comm += etp_comm
             a2a = self._a2a(s, Tsp, bpe)
+            parts = {"moe_act": per * eact, "shared_experts": sf, "moe": block_f}
+            again, again_comm, again_a2a = ("moe", etp_comm, 2 * a2a)
         else:
             mf, mb = self._gemms(dense_ffn_gemms(m), T, tp, dt)
             f, b = f + mf + norm, b + mb + 2 * norm
             comm += tp_comm
-            width = (m.ffn_hidden_size or d) / tp
-            selective = 2 * norm + mem(T * width * bpe * (3 if m.ffn_type == "gated" else 2))
-        recompute = {"full": f, "selective": selective}.get(t.activation_checkpointing, 0.0)
-        out = (f, b, recompute, comm, a2a)
+            parts = {"mlp": mf + norm}
+            again, again_comm, again_a2a = ("mlp", tp_comm, 0.0)
+        if m.attention == "mla":
+            ups = [g for g in attention_gemms(m) if g.name in ("linear_q_up", "linear_kv_up")]
+            parts["mla_up_proj"] = self._gemms(ups, T, tp, dt)[0] + mem(2 * T * (m.num_attention_heads / tp + 1)
+                                                                       * (m.qk_rope_head_dim or 0) * bpe, 2)  # fmt: skip
+        parts |= {"layernorm": 2 * norm, "core_attn": core_f}
+        mods = t.recompute_set
+        full = t.activation_checkpointing == "full"
+        recompute = f if full else sum(parts.get(k, 0.0) for k in mods)
+        comm_all = comm * (3 if full else 2) + (again_comm if again in mods else 0.0)
+        a2a_all = 2 * a2a * (3 if full else 2) + (again_a2a if again in mods else 0.0)
+        out = (f, b, recompute, comm_all, a2a_all)
         self._layer[key] = out
         return out
 
@@ -169,7 +184,6 @@ class Screen:
         pol = policy_of(s)
         T = t.micro_batch_size * t.seq_len / p.cp
         Tsp = T / p.tp if s.sequence_parallel else T
-        full = t.activation_checkpointing == "full"
         sms = s.topology.gpu.sm_count
         taken = s.collectives.dispatcher_sms or DISPATCHER_SMS.get(s.collectives.all_to_all, 0)
         slow = sms / max(sms - taken, 1) if sms and taken else 1.0
@@ -182,8 +196,8 @@ class Screen:
                 for i in vs.layers:
                     f, b, rc, c, a = self.layer(s, i)
                     kern += f + b + rc
-                    comm += c * (3 if full else 2)
-                    a2a += a * (6 if full else 4)
+                    comm += c
+                    a2a += a
                     lp = layer_params(m, i)
                     ne += (lp.attention + lp.dense_ffn) / p.tp + lp.shared_expert + lp.router + lp.norms
                     ex += lp.expert_each * s.experts_per_rank / p.etp
