@@ -31,7 +31,8 @@ RECORD = Path(__file__).with_suffix("")
 SCENS = ["scenarios/cpu-2rank.yaml", "scenarios/accuracy/e4-top2-d256.yaml", "scenarios/accuracy/e8-top3-dropless.yaml"]
 TAGS = {"": "the machine as it was (other engineers' tests running)", "-quiet": "each command started in a quiet spell",
         "-profcost": "with the profiler's cost a step taken off the trace (the job's own timers)",
-        "-alone": "the machine to itself (no other sessions' work), each command started in a quiet spell"}
+        "-alone": "the machine to itself (no other sessions' work), each command started in a quiet spell",
+        "-alone2": "a second session (2026-12-07, 11:20 UTC): the machine to itself for rounds 1-2, this session's own helpers' tests during round 3 ('others'), each command started in a quiet spell"}
 QUIET = float(os.environ.get("QUIET_BUSY", "0"))
 
 
