@@ -242,3 +242,19 @@ def test_node_sized_domains_keep_their_graph(h100):
     """Topologies without nvlink_domain_gpus: one switch per node, named as before."""
     c = build_cluster(h100, 2)
     assert c.nodes_per_domain == 1 and c.domain_of(8) == 1 and "n1/switch" in c.graph
+
+
+def test_a_job_placed_16_trays_a_rack_sees_64_gpu_domains():
+    """cluster.nvlink_domain_nodes: Megatron-Bridge's GB200 jobs take Slurm --segment 16 (64 trays ->
+    4 racks x 16 trays), so ranks 0-63 share an NVLink domain and rank 64 is in the next rack."""
+    base = ["cluster.topology=gb200-nvl72", "cluster.nodes=64", "parallelism.ep=64"]
+    s = load_scenario(SCENARIOS / "128gpu.yaml", [*base, "cluster.nvlink_domain_nodes=16"])
+    assert s.topology.nvlink_domain_gpus == 64
+    c = cluster_for(s)
+    assert c.nodes_per_domain == 16 and [c.domain_of(r) for r in (0, 63, 64, 255)] == [0, 0, 1, 3]
+    assert not any(c.link_kind[i] == "nic_tx" for i in c.path(0, 63))
+    assert any(c.link_kind[i] == "nic_tx" for i in c.path(0, 64))
+    packed = cluster_for(load_scenario(SCENARIOS / "128gpu.yaml", base))
+    assert packed.nodes_per_domain == 18 and packed.domain_of(64) == 0  # 18 trays a rack: 72 GPUs
+    with pytest.raises(InputError, match="cluster.nvlink_domain_nodes"):
+        load_scenario(SCENARIOS / "128gpu.yaml", [*base, "cluster.nvlink_domain_nodes=19"])

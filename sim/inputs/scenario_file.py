@@ -12,7 +12,7 @@ from pydantic import BaseModel
 
 from sim.errors import InputError, did_you_mean
 from sim.inputs.scenario import Scenario
-from sim.inputs.topology import load_topology
+from sim.inputs.topology import Topology, load_topology
 from sim.inputs.yamlio import _sub_model, load_yaml_mapping, validate_model
 
 
@@ -108,11 +108,28 @@ def parse_scenario(
     scenario._source = source
     scenario._base_dir = base_dir
     try:
-        scenario._topology = load_topology(scenario.cluster.topology, base_dir)
+        scenario._topology = _placed(load_topology(scenario.cluster.topology, base_dir), scenario)
         scenario.check_layout()
     except InputError as exc:
         raise (exc.with_file(source) if source else exc) from None
     return scenario
+
+
+def _placed(topology: Topology, scenario: Scenario) -> Topology:
+    """``topology`` with the job's NVLink domains (``cluster.nvlink_domain_nodes`` nodes each, no more
+    than the topology joins): a job placed in part of each rack sees smaller domains."""
+    want = scenario.cluster.nvlink_domain_nodes
+    if want is None:
+        return topology
+    g = scenario.cluster.gpus_per_node or topology.node.gpus_per_node
+    have = (topology.nvlink_domain_gpus or topology.node.gpus_per_node) // g
+    if want > have:
+        raise InputError(
+            f"cluster.nvlink_domain_nodes ({want}) exceeds the nodes one NVLink domain of topology "
+            f"'{topology.name}' joins ({have})",
+            field="cluster.nvlink_domain_nodes",
+        )
+    return topology.model_copy(update={"nvlink_domain_gpus": want * g})
 
 
 __all__ = ["apply_override", "parse_override", "parse_scenario", "read_scenario"]

@@ -52,6 +52,13 @@ class ClusterConfig(StrictModel):
     gpus_per_node: int | None = Field(
         default=None, ge=1, le=1024, description="override the topology's GPUs per node"
     )
+    nvlink_domain_nodes: int | None = Field(
+        default=None,
+        ge=1,
+        le=1_000_000,
+        description="nodes the job places in each NVLink domain, at most the topology's (GB200 NVL72: 18 "
+        "trays of 4; jobs placed 16 trays a rack, Slurm --segment 16, have 64-GPU domains)",
+    )
 
 
 class ParallelismConfig(StrictModel):
