@@ -173,3 +173,24 @@ def test_a_sliding_window_and_sinks_store_no_more_activations():
         assert layer_activation_bytes(windowed.model, *args, flash=flash) == layer_activation_bytes(
             full.model, *args, flash=flash
         )
+
+
+@pytest.mark.parametrize(("dtype", "recipe", "kept"), [("fp8", "delayed", 1.0), ("fp8", "blockwise", 1 + 4 / 128),
+                                                       ("mxfp8", "delayed", 1 + 1 / 32)])  # fmt: skip
+def test_fp8_training_keeps_gemm_inputs_quantized(dtype, recipe, kept):
+    """TransformerEngine keeps a GEMM's quantized column-wise input for the weight gradient: per layer the
+    QKV and output-projection inputs, each FFN's fc1 and fc2 inputs, at ``kept`` bytes instead of 2."""
+    from sim.model.memory import layer_gemm_input_elements
+    from sim.model.stage_memory import memory_per_stage
+
+    sets = ["training.framework=megatron", "model.num_layers=4", "cluster.nodes=1", "parallelism.ep=4",
+            "cluster.topology=dgx-b200"]  # fmt: skip
+    bf16 = load_scenario(SCENARIOS / "128gpu.yaml", sets)
+    fp8 = load_scenario(SCENARIOS / "128gpu.yaml", [*sets, f"training.dtype={dtype}", f"training.fp8_recipe={recipe}"])
+    m, tokens = bf16.model, bf16.training.seq_len
+    rows = tokens * m.top_k  # even routing: the rows a rank's experts receive
+    d, h, hd, w = m.hidden_size, m.num_attention_heads, m.head_size, m.moe_ffn_hidden_size
+    per_layer = tokens * (d + h * hd) + rows * (d + w)  # QKV and proj inputs; experts' fc1 and fc2 inputs
+    assert layer_gemm_input_elements(m, tokens, rows) == per_layer
+    drop = memory_per_stage(bf16)[0].activations - memory_per_stage(fp8)[0].activations
+    assert drop == pytest.approx(4 * per_layer * (2 - kept), abs=4)

@@ -29,6 +29,10 @@ def ceil_div(a: int, b: int) -> int:
 #: block scales add 4 B per 128 elements and MX scales 1 B per 32, per copy. With these, TE's published
 #: autocast-minus-prequantized GEMM times on H200 are reproduced within 2% (tests/test_fp8_recipes.py).
 QUANT_BYTES_PER_ELEMENT = {"current": 6.0, "delayed": 4.0, "blockwise": 4.0 + 2 * 4 / 128, "mxfp8": 4.0 + 2 / 32}
+#: Bytes per element of a GEMM input kept for the weight gradient under an FP8 recipe: TransformerEngine
+#: keeps the quantized column-wise copy it made in forward (1 B, plus an fp32 scale per 1x128 block, or an
+#: E8M0 scale per 32 elements for MXFP8), not the bf16 tensor.
+SAVED_GEMM_INPUT_BYTES = {"current": 1.0, "delayed": 1.0, "blockwise": 1.0 + 4 / 128, "mxfp8": 1.0 + 1 / 32}
 #: Kernels per quantization (current scaling: an amax reduction, then the cast).
 QUANT_KERNELS = {"current": 2, "delayed": 1, "blockwise": 1, "mxfp8": 1}
 
@@ -38,5 +42,5 @@ def fp8_recipe(dtype: str, recipe: str) -> str | None:
     return "mxfp8" if dtype == "mxfp8" else recipe if dtype == "fp8" else None
 
 
-__all__ = ["BYTES_PER_ELEMENT", "FP8_RECIPES", "QUANT_BYTES_PER_ELEMENT", "QUANT_KERNELS", "ceil_div", "fp8_recipe",
-           "gemm_dtype", "storage_dtype"]  # fmt: skip
+__all__ = ["BYTES_PER_ELEMENT", "FP8_RECIPES", "QUANT_BYTES_PER_ELEMENT", "QUANT_KERNELS", "SAVED_GEMM_INPUT_BYTES",
+           "ceil_div", "fp8_recipe", "gemm_dtype", "storage_dtype"]  # fmt: skip

@@ -124,6 +124,23 @@ def attention_activation_elements(m: ModelConfig, tokens: int) -> int:
     return tokens * (d + h * hd + 2 * m.kv_heads * hd + h * hd)
 
 
+def attention_gemm_input_elements(m: ModelConfig, tokens: int) -> int:
+    """The part of :func:`attention_activation_elements` that GEMMs keep as their input for the weight
+    gradient: the QKV (MLA: down) projection's input, MLA's latents, the output projection's input."""
+    d, h = m.hidden_size, m.num_attention_heads
+    if m.attention == "none":
+        return 0
+    if m.attention == "mla":
+        latent = (m.q_lora_rank or 0) + (m.kv_lora_rank or 0) + (m.qk_rope_head_dim or 0)
+        return tokens * (d + latent + h * (m.v_head_dim or 0))
+    return tokens * (d + h * m.head_size)
+
+
+def ffn_gemm_input_elements(rows: int, d: int, width: int, ffn_type: str) -> int:
+    """The part of :func:`ffn_activation_elements` that is GEMM input: fc1's input and fc2's."""
+    return rows * d if ffn_type == "linear" else rows * (d + width)
+
+
 def layer_activation_bytes(
     m: ModelConfig,
     tokens: int,
@@ -133,13 +150,37 @@ def layer_activation_bytes(
     moe_rows: int | None,
     flash: bool = True,
     dropout: bool = False,
+    gemm_input_bytes: float | None = None,
 ) -> int:
     """Bytes one layer keeps for backward (Korthikanti et al. 2022 sec. 4.1, generalised).
 
     ``moe_rows``: rows the rank's experts receive in an MoE layer (None for a dense layer).
     Paper terms for a GPT layer (h = d, f = 4h, plain GeLU FFN, MHA): attention 11sbh + 5as^2b,
     MLP 19sbh, layer norms 4sbh; the 1-byte dropout masks are sbh each after attention, after the
-    MLP and on the attention probabilities (as^2b)."""
+    MLP and on the attention probabilities (as^2b). ``gemm_input_bytes``: bytes per element of the GEMM
+    inputs kept for the weight gradients when they are kept quantized (FP8 training:
+    :data:`~sim.model.dtypes.SAVED_GEMM_INPUT_BYTES`), else ``act_bytes``."""
+    full = _layer_activation_bytes(m, tokens, seq_len, micro_batch, act_bytes, moe_rows, flash, dropout)
+    if gemm_input_bytes is None:
+        return full
+    return full - int(layer_gemm_input_elements(m, tokens, moe_rows) * (act_bytes - gemm_input_bytes))
+
+
+def layer_gemm_input_elements(m: ModelConfig, tokens: int, moe_rows: int | None) -> int:
+    """GEMM inputs among a layer's kept activations (attention, FFN or experts and shared experts)."""
+    d = m.hidden_size
+    out = attention_gemm_input_elements(m, tokens)
+    if moe_rows is None:
+        return out + ffn_gemm_input_elements(tokens, d, m.ffn_hidden_size or d, m.ffn_type)
+    out += ffn_gemm_input_elements(moe_rows, d, m.moe_ffn_hidden_size or d, m.ffn_type)
+    if m.num_shared_experts:
+        width = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or m.moe_ffn_hidden_size or d)
+        out += ffn_gemm_input_elements(tokens, d, width, m.ffn_type)
+    return out
+
+
+def _layer_activation_bytes(m: ModelConfig, tokens: int, seq_len: int, micro_batch: int, act_bytes: int,
+                            moe_rows: int | None, flash: bool, dropout: bool) -> int:  # fmt: skip
     d, a = m.hidden_size, m.num_attention_heads
     norms = 2 * tokens * d * act_bytes
     attn = attention_activation_elements(m, tokens) * act_bytes
@@ -227,7 +268,10 @@ __all__ = [
     "activation_bytes",
     "capacity",
     "comm_buffer_bytes",
+    "attention_gemm_input_elements",
+    "ffn_gemm_input_elements",
     "layer_activation_bytes",
+    "layer_gemm_input_elements",
     "memory_per_gpu",
     "model_state_bytes",
     "moe_rows_per_rank",

@@ -27,12 +27,13 @@ from __future__ import annotations
 
 from sim.inputs.scenario import Scenario
 from sim.inputs.stages import rank_chunks
-from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div, storage_dtype
+from sim.model.dtypes import BYTES_PER_ELEMENT, SAVED_GEMM_INPUT_BYTES, ceil_div, fp8_recipe, storage_dtype
 from sim.model.memory import (
     FP32_BYTES,
     GiB,
     MemoryBreakdown,
     ffn_activation_elements,
+    ffn_gemm_input_elements,
     layer_activation_bytes,
     model_state_bytes,
     optimizer_bytes_per_param,
@@ -130,28 +131,34 @@ def _checkpointed(s: Scenario, rank: int, layers: list[int]) -> set[int]:
     return {i for vs in rank_chunks(s)[rank] for i in vs.layers[:n]}
 
 
-def _not_kept(s: Scenario, tokens: int, rows: int, act: int, moe: bool) -> int:
+def _not_kept(s: Scenario, tokens: int, rows: int, act: int, moe: bool) -> float:
     """Bytes of one layer's activations that selective recompute's modules drop (their outputs are
     recomputed in backward; terms of :func:`~sim.model.memory.layer_activation_bytes`): ``layernorm`` the
     two norms' outputs, ``moe_act`` the experts' activation output, ``mla_up_proj`` MLA's Q, K and V,
     ``mlp`` / ``moe`` / ``shared_experts`` everything their block keeps but its input. ``core_attn``
     keeps its inputs and output: under FlashAttention nothing more is dropped."""
     m, mods, d = s.model, s.training.recompute_set, s.model.hidden_size
+    recipe = fp8_recipe(s.training.dtype, s.training.fp8_recipe)
+    gin = SAVED_GEMM_INPUT_BYTES[recipe] if recipe else act
+
+    def ffn(n: int, width: int, with_input: bool) -> float:  # an FFN's kept bytes, its fc1 input or not
+        kept = ffn_activation_elements(n, d, width, m.ffn_type) * act
+        kept -= ffn_gemm_input_elements(n, d, width, m.ffn_type) * (act - gin)
+        return kept if with_input else kept - n * d * gin
+
     out = 2 * tokens * d * act if "layernorm" in mods else 0
     if moe:
         width = m.moe_ffn_hidden_size or d
+        shared = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or width)
         if "moe" in mods:
-            shared = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or width)
-            out += ffn_activation_elements(rows, d, width, m.ffn_type) * act  # dispatched rows and all after them
+            out += ffn(rows, width, True)  # dispatched rows and all after them
             out += 2 * tokens * m.num_experts * FP32_BYTES + tokens * m.top_k * FP32_BYTES + rows * d * act
-            out += ((ffn_activation_elements(tokens, d, shared, m.ffn_type) - tokens * d) * act) if shared else 0
+            out += ffn(tokens, shared, False) if shared else 0
         else:
-            out += rows * width * act if "moe_act" in mods else 0
-            if "shared_experts" in mods and m.num_shared_experts:
-                shared = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or width)
-                out += (ffn_activation_elements(tokens, d, shared, m.ffn_type) - tokens * d) * act
+            out += rows * width * gin if "moe_act" in mods else 0  # the activation's output is fc2's input
+            out += ffn(tokens, shared, False) if "shared_experts" in mods and shared else 0
     elif "mlp" in mods:
-        out += (ffn_activation_elements(tokens, d, m.ffn_hidden_size or d, m.ffn_type) - tokens * d) * act
+        out += ffn(tokens, m.ffn_hidden_size or d, False)
     if "mla_up_proj" in mods and m.attention == "mla":
         qk = (m.qk_nope_head_dim or 0) + (m.qk_rope_head_dim or 0)
         out += tokens * m.num_attention_heads * (2 * qk + (m.v_head_dim or 0)) * act
@@ -164,8 +171,11 @@ def _activations(s: Scenario, layers: list[int], rank: int, head: bool) -> int:
     split = p.cp * (p.tp if s.sequence_parallel else 1)
     tokens = t.micro_batch_size * t.seq_len // split
     rows = s.routed_tokens_per_rank * m.top_k
+    recipe = fp8_recipe(t.dtype, t.fp8_recipe)
+    gin = SAVED_GEMM_INPUT_BYTES[recipe] if recipe else None  # FP8: GEMM inputs kept quantized
     per = [layer_activation_bytes(m, tokens, t.seq_len, t.micro_batch_size, act,
-                                  rows if layer_params(m, i).num_experts else None) for i in layers]  # fmt: skip
+                                  rows if layer_params(m, i).num_experts else None, gemm_input_bytes=gin)
+           for i in layers]  # fmt: skip
     logits = tokens * m.vocab_size // p.tp * FP32_BYTES if head else 0
     if not per:
         return logits
