@@ -46,7 +46,7 @@ def test_the_fraction_scales_gemms_and_attention_only():
 
 def test_gpu_files_carry_the_recorded_fit():
     fits = {f["kind"]: f for f in json.loads(RECORD.read_text())["fits"]}
-    files = {"H100-SXM": "h100-sxm", "B200-SXM": "b200-sxm", "GB200": "gb200"}
+    files = {"H100-SXM": "h100-sxm", "B200-SXM": "b200-sxm", "GB200": "gb200", "GB300": "gb300"}
     assert set(fits) == set(files)
     for kind, name in files.items():
         assert load_gpu(name).sustained_compute_fraction == fits[kind]["fraction"], name
