@@ -435,7 +435,7 @@ def test_a2a_overlap_hides_the_closed_form(a2a, sms, slowdown):
     b0, b1 = off["breakdown_s"], on["breakdown_s"]
     k, c = b0["compute"] / m, b0["a2a"] / m
     hidden = k + c - max(k * slowdown, c)
-    assert 0 < hidden <= min(k, c)
+    assert 0 < hidden <= min(k, c) * (1 + 1e-12)  # k + c - k rounds to c + 1 ulp
     assert b1["a2a"] == pytest.approx(b0["a2a"] - (m - 1) * hidden, rel=1e-9)
     assert b1["compute"] == pytest.approx(b0["compute"], rel=1e-12)
     assert off["step_time_s"] - b0["a2a"] <= on["step_time_s"] < off["step_time_s"]
