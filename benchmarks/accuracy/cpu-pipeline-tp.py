@@ -4,7 +4,7 @@ simulator (the lane engine) with one calibration. Run alone, under the measureme
     flock /tmp/moesim-measure.lock python benchmarks/accuracy/cpu-pipeline-tp.py run [ROUNDS]
     python benchmarks/accuracy/cpu-pipeline-tp.py render
 
-``run`` runs every scenario of ``scenarios/accuracy/layout/`` ROUNDS times (default 3), in rounds,
+``run`` runs every scenario of ``scenarios/accuracy/layout/`` (or ``ONLY``'s) ROUNDS times (default 3), in rounds,
 with ``python -m hw_validate.pipeline_job`` / ``tp_job`` (each job first waits, up to 5 min, until
 the machine was busy less than ``QUIET_BUSY`` of its CPU over 5 s; default 0.3), into
 ``runs/layout/<scenario>/job<N>``. ``render`` writes ``cpu-pipeline-tp.md`` and ``.json`` beside this
@@ -25,10 +25,14 @@ from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-OUT = ROOT / "runs" / "layout"
-RECORD = Path(__file__).with_suffix("")
-SCENARIOS = sorted((ROOT / "scenarios" / "accuracy" / "layout").glob("*.yaml"))
-CALIBRATION = "calibrations/cpu-host-2rank.json"
+#: ``TAG`` keeps a later set of jobs apart (runs/layout<TAG>/, record cpu-pipeline-tp<TAG>.json); ``ONLY``
+#: (comma-separated scenario names) runs and renders those; ``CALIBRATION`` names the calibration file
+TAG = os.environ.get("TAG", "")
+OUT = ROOT / "runs" / f"layout{TAG}"
+RECORD = Path(__file__).with_name(Path(__file__).stem + TAG)
+ONLY = {x for x in os.environ.get("ONLY", "").split(",") if x}
+SCENARIOS = [p for p in sorted((ROOT / "scenarios" / "accuracy" / "layout").glob("*.yaml")) if not ONLY or p.stem in ONLY]
+CALIBRATION = os.environ.get("CALIBRATION", "calibrations/cpu-host-2rank.json")
 QUIET = os.environ.get("QUIET_BUSY", "0.3")
 #: a job counts as quiet when other processes took less than this share of the machine's CPU during it
 QUIET_OTHERS = 0.05

@@ -1,4 +1,4 @@
-"""Collective sweeps: all-to-all, all-reduce and all-gather over the spec's sizes, the slowest
+"""Collective sweeps: all-to-all, all-reduce, all-gather and reduce-scatter over the spec's sizes, the slowest
 rank's time per call (nccl-tests style), or isolated blocking calls after compute on gloo; what the
 link fit (:mod:`hw_validate.fits.links`) reads."""
 
@@ -36,6 +36,11 @@ def bench_comm(b: Bench, world: int, progress) -> list[dict]:
 
                 def fn(x=x, part=part):
                     dist.all_gather_into_tensor(x, part)
+            elif kind == "reduce_scatter":  # nccl-tests' size: the input (sequence parallelism's exit)
+                part = torch.empty(n // world, dtype=torch.float32, device=b.device)
+
+                def fn(x=x, part=part):
+                    dist.reduce_scatter_tensor(part, x)
             else:
                 raise ValueError(f"unknown collective {kind}")
             gap = float(c.get("gap_s", 0.0))

@@ -133,7 +133,7 @@ def build_spec(
     return {
         "backend": backend,
         "dtypes": list(shapes.get("dtypes") or (["bf16"] if gpu else ["fp32"])),
-        "comm": {"kinds": ["all_to_all", "all_reduce", "all_gather"], "sizes": QUICK_COMM_SIZES if quick else COMM_SIZES,
+        "comm": {"kinds": ["all_to_all", "all_reduce", "all_gather", "reduce_scatter"], "sizes": QUICK_COMM_SIZES if quick else COMM_SIZES,
                  # many short repetitions: a median (or quartile) that bursts of interference move little
                  "reps": 9 if quick else 21, "target_s": 0.002 if quick else 0.005,
                  # blocking collectives (gloo): isolated calls after 1 ms of compute, as in the job

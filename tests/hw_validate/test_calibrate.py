@@ -44,10 +44,13 @@ def test_cli_prints_table_and_fits_and_writes_a_loadable_file(quick):
     assert cal.hardware["world_size"] == 2 and cal.hardware["backend"] == "gloo"
     assert set(cal.links) == {"intra"}  # one host: no inter-node class
     intra = cal.links["intra"]
-    assert len(cal.sweeps["comm"]) == 12 and {r["kind"] for r in cal.sweeps["comm"]} == {"all_to_all", "all_reduce", "all_gather"}
-    # the link pair is fitted on the all-to-all and all-reduce sizes; the all-gather gets a bytes factor
+    kinds = {"all_to_all", "all_reduce", "all_gather", "reduce_scatter"}
+    assert len(cal.sweeps["comm"]) == 16 and {r["kind"] for r in cal.sweeps["comm"]} == kinds
+    # the link pair is fitted on the all-to-all and all-reduce sizes; all-gather and reduce-scatter
+    # (sequence parallelism's entry and exit) get a bytes factor each
     assert intra.alpha_us >= 0 and intra.bw_GBps > 0 and intra.points == 8
     assert cal.collective_bytes_factor["all_gather"] > 0 and "all_gather: the link fit with" in proc.stdout
+    assert cal.collective_bytes_factor["reduce_scatter"] > 0 and "reduce_scatter: the link fit with" in proc.stdout
     g = cal.gemm["fp32"]
     assert g.peak_TFLOPs > 0 and g.points == len(cal.sweeps["gemm"]) > 6
     for v in (cal.hbm_bw_GBps, cal.kernel_launch_us, cal.attention_efficiency, cal.optimizer_bytes_per_param):
@@ -99,7 +102,7 @@ def test_calibration_round_trips(quick, tmp_path):
 def test_fitted_link_reproduces_the_measured_sweep(quick):
     """Re-simulating every measured size with the calibrated cluster (the path ``simulate`` takes)
     gives the closed form of the simulator's collectives on 2 ranks -- all-to-all 2 alpha + S/2 / bw,
-    ring all-reduce 4 alpha + S / bw (two links per transfer), ring all-gather 2 alpha + f S/2 / bw
+    ring all-reduce 4 alpha + S / bw (two links per transfer), ring all-gather and reduce-scatter 2 alpha + f S/2 / bw
     with its calibrated bytes factor f -- and stays within the fit's errors."""
     from hw_validate.fits.links import bench_cluster, simulate_sweep
     from sim.hardware.calibrated import apply_link_calibration
@@ -110,9 +113,9 @@ def test_fitted_link_reproduces_the_measured_sweep(quick):
     rows = cal.sweeps["comm"]
     pred = simulate_sweep(apply_link_calibration(bench_cluster("cpu-host", 2), cal), rows)
     a, bw = f.alpha_us * 1e-6, f.bw_GBps * 1e9
-    fag = cal.collective_bytes_factor["all_gather"]
+    fag, frs = cal.collective_bytes_factor["all_gather"], cal.collective_bytes_factor["reduce_scatter"]
     closed = {"all_to_all": lambda s: 2 * a + s / 2 / bw, "all_reduce": lambda s: 4 * a + s / bw,
-              "all_gather": lambda s: 2 * a + fag * s / 2 / bw}  # fmt: skip
+              "all_gather": lambda s: 2 * a + fag * s / 2 / bw, "reduce_scatter": lambda s: 2 * a + frs * s / 2 / bw}  # fmt: skip
     np.testing.assert_allclose(pred, [closed[r["kind"]](r["bytes"]) for r in rows], rtol=1e-6)
     np.testing.assert_allclose(pred, [r["fit_time_s"] for r in rows], rtol=1e-12)
     # the bytes factor is the closed-form least squares of the all-gather rows' relative error
@@ -121,7 +124,7 @@ def test_fitted_link_reproduces_the_measured_sweep(quick):
     # (the fit splits each time into a 1-byte call and the rest: (S - 1) / 2 / bw)
     lat, byt = np.array([2 * a + 0.5 / bw for _ in ag]) / t, np.array([(r["bytes"] - 1) / 2 / bw for r in ag]) / t
     assert fag == pytest.approx(max(0.05, (byt @ (1 - lat)) / (byt @ byt)), rel=1e-9)
-    link = [i for i, r in enumerate(rows) if r["kind"] != "all_gather"]  # what the link pair is fitted on
+    link = [i for i, r in enumerate(rows) if r["kind"] in ("all_to_all", "all_reduce")]  # the link pair's rows
     err = np.abs(pred[link] / np.array([rows[i]["time_s"] for i in link]) - 1)
     assert err.max() <= f.fit_max_rel_err * (1 + 1e-9)
     assert np.median(err) == pytest.approx(f.fit_rel_err, rel=1e-9)
