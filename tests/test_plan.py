@@ -233,3 +233,12 @@ def test_published_entry_as_model_keeps_its_knobs():
     s = base.scenario
     assert (s.training.framework, s.collectives.all_to_all, s.routing.generator) == ("megatron", "deepep", "balanced")
     assert (base.space.global_batch, base.space.seq_len, base.space.base_split) == (2048, 4096, Split(True, True))
+
+
+def test_a_published_scenario_with_a_layout_string_and_recompute_modules_plans():
+    """X2 (DeepSeek-V3 on 256 B200) gives a pipeline layout and Megatron recompute modules: the plan
+    searches stages and recompute itself, so its base keeps neither (it would refuse every other vpp)."""
+    base = build_base(ROOT / "validation" / "published" / "X2.yaml", "dgx-b200", 256)
+    p, t = base.scenario.parallelism, base.scenario.training
+    assert p.pipeline_layout is None and t.recompute_modules is None
+    assert base.space.recomputes == ("none", "selective", "full") and base.space.dispatchers == ("deepep",)
