@@ -530,3 +530,30 @@ def test_hierarchical_estimate_is_a_lower_bound(published, ep, nodes):
     est, _ = _run(s, plan, algo="hierarchical", exact=False)
     for direction in ("dispatch", "combine"):
         assert 0.5 * exact[direction][0].max() < est[direction][0].max() <= exact[direction][0].max() * 1.01
+
+
+@pytest.mark.parametrize("a2a", ["hybridep", "deepep"])
+def test_an_ep_group_inside_one_nvlink_domain_has_no_relay(a2a):
+    """HybridEP's multi-node NVLink mode: on a GB200 NVL72 rack an EP group that spans two trays of 4
+    still reaches every member over NVLink directly, no relay through the same-index GPU of the other
+    tray. So its all-to-all takes what the same group takes as one node of 8 GPUs on the same NVLink
+    (cluster.gpus_per_node 8), and nothing counts as inter-node traffic."""
+
+    def run(extra: dict) -> dict:
+        data = {
+            "name": "nvl72", "cluster": {"topology": "gb200-nvl72", "nodes": 2, **extra},
+            "model": {"num_layers": 2, "hidden_size": 1024, "num_attention_heads": 8, "vocab_size": 1024,
+                      "ffn_type": "gated", "moe_ffn_hidden_size": 512, "ffn_hidden_size": 2048, "num_experts": 32,
+                      "top_k": 4},
+            "parallelism": {"ep": 8, "zero_stage": 0},
+            "training": {"micro_batch_size": 1, "seq_len": 2048, "grad_accum_steps": 2, "dtype": "bf16",
+                         "framework": "megatron"},
+            "routing": {"generator": "uniform", "dispatch": "dropless", "capacity_factor": None, "seed": 0},
+            "collectives": {"all_to_all": a2a},
+        }  # fmt: skip
+        return simulate(scenario_from_dict(data))
+
+    trays = run({})  # 2 trays x 4 GPUs, one NVLink domain
+    node = run({"nodes": 1, "gpus_per_node": 8})  # the same 8 GPUs as one node
+    assert trays["traffic"]["inter_node_bytes"] == 0
+    assert trays["breakdown_s"]["a2a"] == pytest.approx(node["breakdown_s"]["a2a"], rel=1e-9)

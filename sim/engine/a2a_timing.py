@@ -121,8 +121,8 @@ class A2ATiming:
             pairs = pairs * scale
         if op.direction == "combine":
             pairs = pairs.transpose(0, 2, 1)
-        gpn = self.cluster.gpus_per_node
         grank = ranks[sel]
+        gpn = self._relay_unit(grank)
         same = (grank[:, :, None] // gpn) == (grank[:, None, :] // gpn)
         off = pairs * (1.0 - np.eye(self.ep))[None]
         sent = off.sum(axis=2)
@@ -142,9 +142,10 @@ class A2ATiming:
                 own = (grank[g] // gpn)[:, None] == np.unique(grank[g] // gpn)[None, :]
                 inter[g] = (nb * ~own).sum(axis=1)
             if self.exact:
-                fin[g] = self._exact(r, g, group, pairs[g] if op.direction == "dispatch" else pairs[g].T, nb, op.direction)
+                fin[g] = self._exact(r, g, group, pairs[g] if op.direction == "dispatch" else pairs[g].T, nb,
+                                     op.direction, gpn)  # fmt: skip
             else:
-                fwd = self._fan_bytes(grank[g].tolist(), off[g], op.direction) if hier else None
+                fwd = self._fan_bytes(grank[g].tolist(), off[g], op.direction, gpn) if hier else None
                 fin[g] = self._estimate(off[g], same[g], inter[g] if hier else None, grank[g], fwd)
         out = np.zeros(len(q))
         out_sent, out_inter = np.zeros(len(q)), np.zeros(len(q))
@@ -153,27 +154,39 @@ class A2ATiming:
         out_inter[sel.reshape(-1)] = inter.reshape(-1)
         return out, out_sent, out_inter
 
-    def _exact(self, r: int, g: int, group: list[int], pair: np.ndarray, node_bytes, direction: str) -> np.ndarray:
+    def _relay_unit(self, grank: np.ndarray) -> int:
+        """GPUs of the unit DeepEP / HybridEP relay between: a node, or the whole NVLink domain when every
+        EP group lies inside one (HybridEP's multi-node NVLink mode on NVL72 racks: every member reached
+        over NVLink directly, no RDMA hop and no relay; groups across domains keep the node relay)."""
+        c = self.cluster
+        dom = c.gpus_per_domain
+        if self.algo in DEDUP and dom > c.gpus_per_node and bool((grank // dom == grank[:, :1] // dom).all()):
+            return dom
+        return c.gpus_per_node
+
+    def _exact(self, r: int, g: int, group: list[int], pair: np.ndarray, node_bytes, direction: str,
+               unit: int) -> np.ndarray:  # fmt: skip
         if node_bytes is None:
             done = self.comm.direct_a2a((("lane", r, group[0]),), [group], [pair], direction)
             return np.array([done[x] for x in group])
         if self.algo in DEDUP:
-            return self._forwarded(group, pair, node_bytes, direction)
+            return self._forwarded(group, pair, node_bytes, direction, unit)
         dag = all_to_all_dag(self.cluster, group, pair, "hierarchical", node_bytes, direction)
         fin = self.comm.ps_rank_finish(dag)
         out = fin[np.asarray(group)]
         return np.where(np.isnan(out), 0.0, out)
 
-    def _forwarded(self, group: list[int], pair: np.ndarray, node_bytes: np.ndarray, direction: str) -> np.ndarray:
+    def _forwarded(self, group: list[int], pair: np.ndarray, node_bytes: np.ndarray, direction: str,
+                   unit: int) -> np.ndarray:  # fmt: skip
         """DeepEP / HybridEP normal kernels: the hierarchical DAG's transfers all in flight at once
         (RDMA chunks forwarded over NVLink as they arrive), on a flow structure cached per group:
         same-node pairs, one RDMA hop per (sender, node) to the member with the sender's local index,
         then NVLink from that relay to the node's other destinations. The same transfers, bytes and
         paths as :func:`sim.network.collectives.all_to_all_dag`, timed as one processor-sharing phase."""
-        key = ("fwd", tuple(group))
+        key = ("fwd", tuple(group), unit)
         hit = self._flows.get(key)
         if hit is None:
-            hit = self._flows[key] = self._flow_structure(group)
+            hit = self._flows[key] = self._flow_structure(group, unit)
         same_i, same_j, hop_s, hop_n, hop_r, fan_s, fan_d, fan_r = hit
         nb = np.concatenate([pair[same_i, same_j], node_bytes[hop_s, hop_n], pair[fan_s, fan_d]])
         src = np.concatenate([same_i, hop_s, fan_r])
@@ -189,9 +202,8 @@ class A2ATiming:
         np.maximum.at(out, dst, t)
         return out
 
-    def _flow_structure(self, group: list[int]):
+    def _flow_structure(self, group: list[int], gpn: int):
         ranks = np.asarray(group)
-        gpn = self.cluster.gpus_per_node
         node = ranks // gpn
         nodes = np.unique(node)
         node_pos = np.searchsorted(nodes, node)
@@ -237,12 +249,12 @@ class A2ATiming:
         dense[:, i, j] = flow.reshape(g, -1)
         return np.maximum(dense.max(axis=2), dense.max(axis=1))  # a member's sends and receives
 
-    def _fan_bytes(self, group: list[int], off: np.ndarray, direction: str) -> tuple[np.ndarray, np.ndarray]:
+    def _fan_bytes(self, group: list[int], off: np.ndarray, direction: str, unit: int) -> tuple[np.ndarray, np.ndarray]:
         """(out, in) bytes per member on the in-node legs of a forwarded all-to-all: the relay that took
         a sender's tokens off the network passes them on to the node's other destinations (combine:
         the reverse), the flows of :meth:`_forwarded`."""
-        *_, fan_s, fan_d, fan_r = self._flows.get(("fwd", tuple(group))) or self._flows.setdefault(
-            ("fwd", tuple(group)), self._flow_structure(group))
+        *_, fan_s, fan_d, fan_r = self._flows.get(("fwd", tuple(group), unit)) or self._flows.setdefault(
+            ("fwd", tuple(group), unit), self._flow_structure(group, unit))
         x = off if direction == "dispatch" else off.T  # the dispatch orientation: x[sender, destination]
         w = x[fan_s, fan_d]
         n = len(group)
