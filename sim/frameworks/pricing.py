@@ -44,6 +44,8 @@ from sim.model.flops import (
     expert_activation_passes,
     expert_gemms,
     lm_head_gemm,
+    mla_rope_bytes,
+    mla_up_gemms,
     mtp_gemms,
     router_gemm,
     shared_expert_gemms,
@@ -238,10 +240,8 @@ class Pricer:
         if "core_attn" in mods:
             secs += self._attention_core(layer)[0]
         if "mla_up_proj" in mods and m.attention == "mla":
-            ups = [g for g in attention_gemms(m) if g.name in ("linear_q_up", "linear_kv_up")]
-            heads = m.num_attention_heads // self.tp
-            rope = self._mem(2 * self.T * (heads + 1) * (m.qk_rope_head_dim or 0) * bpe, kernels=2)  # q_pe, k_pe r+w
-            secs += float(self._gemms(ups, self.T, self.tp)[0][0]) + rope
+            rope = self._mem(mla_rope_bytes(m, self.T, m.num_attention_heads // self.tp, bpe), kernels=2)
+            secs += float(self._gemms(mla_up_gemms(m), self.T, self.tp)[0][0]) + rope
         if "shared_experts" in mods and moe is not None and m.num_shared_experts:
             secs += self._static("shared_experts", layer)[0]
         return secs * self.factor[q + stage * self.s.layout.stage_size]

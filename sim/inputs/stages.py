@@ -68,7 +68,7 @@ _SYNTAX = "E embedding, t decoder layer, m MTP layer, L loss, '|' between stages
 def parse_layout(text: str) -> tuple[str, ...]:
     """The virtual stages of a layout string, each a string of E/t/m/L (Megatron-Core's
     ``PipelineParallelLayerLayout.parse_str_to_list``: commas removed, ``(...)*n`` then ``x*n`` unrolled,
-    split on ``|``): ``"Ettt|(tt|)*29,m|L"`` -> ``("Ettt", "tt", ... "tt", "m", "L")``, 31 stages.
+    split on ``|``): ``"Ettt|(tt|)*29,m|L"`` -> ``("Ettt", "tt", ... "tt", "m", "L")``, 32 stages.
     Raises ``ValueError`` naming the bad character."""
     flat, total = text.replace(",", ""), 0
 
@@ -99,14 +99,7 @@ def _layout_counts(s) -> list[int]:
     def bad(message: str) -> InputError:
         return InputError(f"pipeline_layout {p.pipeline_layout!r}: {message}", field=_LAYOUT_FIELD)
 
-    if p.schedule == "dualpipe":
-        raise bad("dualpipe splits the model into its own pp stages; use 1f1b or interleaved with a layout")
-    try:
-        stages = parse_layout(p.pipeline_layout)
-    except ValueError as exc:
-        raise InputError(str(exc), field=_LAYOUT_FIELD) from None
-    if len(stages) != p.pp * p.vpp:
-        raise bad(f"{len(stages)} virtual stages, pp x vpp = {p.pp} x {p.vpp} = {p.pp * p.vpp} expected")
+    stages = parse_layout(p.pipeline_layout)  # syntax, stage count and dualpipe: ParallelismConfig checked them
     flat = "".join(stages)
     if flat[:1] != "E" or flat[-1:] != "L":
         raise bad(f"the first layer must be E (embedding) and the last L (loss), got {flat[:1]!r} and {flat[-1:]!r}")  # fmt: skip

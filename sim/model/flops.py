@@ -63,6 +63,17 @@ def attention_gemms(m: ModelConfig) -> list[Gemm]:
     return [Gemm("linear_qkv", (h + 2 * m.kv_heads) * hd, d), Gemm("linear_proj", d, h * hd)]
 
 
+def mla_up_gemms(m: ModelConfig) -> list[Gemm]:
+    """MLA's up projections (query and key-value), what Megatron's ``mla_up_proj`` recompute runs again."""
+    return [g for g in attention_gemms(m) if g.name in ("linear_q_up", "linear_kv_up")]
+
+
+def mla_rope_bytes(m: ModelConfig, tokens: float, heads: float, bytes_per_element: float) -> float:
+    """HBM bytes of MLA's RoPE on ``tokens``: read and write the rotary part of ``heads`` query heads and
+    of the one shared key head."""
+    return 2 * tokens * (heads + 1) * (m.qk_rope_head_dim or 0) * bytes_per_element
+
+
 def ffn_gemms(d: int, width: int | None, ffn_type: str, prefix: str) -> list[Gemm]:
     """One FFN: gated -> fc1 (2w) + fc2; plain -> fc1 (w) + fc2; linear -> one d x d."""
     if ffn_type == "linear":
@@ -199,6 +210,8 @@ __all__ = [
     "forward_flops_per_token",
     "lm_head_gemm",
     "matmul_active_params",
+    "mla_rope_bytes",
+    "mla_up_gemms",
     "model_flops_per_token",
     "mtp_gemms",
     "router_gemm",

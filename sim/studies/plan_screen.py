@@ -33,6 +33,8 @@ from sim.model.flops import (
     expert_activation_passes,
     expert_gemms,
     lm_head_gemm,
+    mla_rope_bytes,
+    mla_up_gemms,
     router_gemm,
     shared_expert_gemms,
 )
@@ -164,9 +166,8 @@ class Screen:
             parts = {"mlp": mf + norm}
             again, again_comm, again_a2a = ("mlp", tp_comm, 0.0)
         if m.attention == "mla":
-            ups = [g for g in attention_gemms(m) if g.name in ("linear_q_up", "linear_kv_up")]
-            parts["mla_up_proj"] = self._gemms(ups, T, tp, dt)[0] + mem(2 * T * (m.num_attention_heads / tp + 1)
-                                                                       * (m.qk_rope_head_dim or 0) * bpe, 2)  # fmt: skip
+            rope = mem(mla_rope_bytes(m, T, m.num_attention_heads / tp, bpe), 2)
+            parts["mla_up_proj"] = self._gemms(mla_up_gemms(m), T, tp, dt)[0] + rope
         parts |= {"layernorm": 2 * norm, "core_attn": core_f}
         mods = t.recompute_set
         full = t.activation_checkpointing == "full"
