@@ -33,6 +33,30 @@ from sim.routing.plan import RoutingPlan
 HIERARCHICAL = ("hierarchical", "deepep", "hybridep")
 #: dispatchers that send a token once per destination rank (and expand it there), not once per expert
 DEDUP = ("deepep", "hybridep")
+#: SMs the normal dispatch/combine kernels hold by default: DeepEP's 20 (DeepSeek-V3 report sec. 3.2.2,
+#: "only 20 SMs"), HybridEP's 24 inside an NVLink domain (docs/README_Hybrid-EP.md default)
+DISPATCHER_SMS = {"deepep": 20, "hybridep": 24}
+
+
+def sm_slowdown(s: Scenario) -> float:
+    """How much slower compute runs while a DeepEP / HybridEP kernel holds its SMs:
+    ``sm_count / (sm_count - SMs)`` (``collectives.dispatcher_sms``, else :data:`DISPATCHER_SMS`); 1 for
+    NCCL's all-to-all (its SMs are not modelled) and for a GPU without an SM count."""
+    c, sms = s.collectives, s.topology.gpu.sm_count
+    if c.all_to_all not in DISPATCHER_SMS or not sms:
+        return 1.0
+    taken = c.dispatcher_sms or DISPATCHER_SMS[c.all_to_all]
+    return sms / max(sms - taken, 1)
+
+
+def overlap_saved_s(kernels, comm, slowdown: float):
+    """Seconds an overlapped forward-backward pair saves over running its kernels (``kernels`` s alone)
+    and its all-to-alls (``comm`` s) one after the other. While an all-to-all runs, compute keeps
+    ``1 / slowdown`` of its speed (the SMs the kernel holds) and is at full speed the rest of the pair,
+    so the pair takes ``max(comm, kernels + comm (1 - 1 / slowdown))`` and saves
+    ``min(kernels, comm / slowdown)``: never negative, all of ``comm`` with NCCL (slowdown 1) when the
+    kernels are the longer."""
+    return np.minimum(kernels, np.asarray(comm) / slowdown)
 
 
 def routing_rank(s: Scenario, q: np.ndarray) -> np.ndarray:

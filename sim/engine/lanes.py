@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import simpy
 
-from sim.engine.a2a_timing import A2ATiming
+from sim.engine.a2a_timing import A2ATiming, overlap_saved_s, sm_slowdown
 from sim.engine.lane_parts import Jitter, waited_on
 from sim.engine.rank_groups import gmax, group_ids, group_members
 from sim.engine.spans import Span
@@ -54,9 +54,6 @@ from sim.inputs.scenario import Scenario
 from sim.network.group_times import GroupTimes
 from sim.routing.plan import RoutingPlan
 
-#: SMs the normal dispatch/combine kernels hold by default: DeepEP's 20 (DeepSeek-V3 report sec. 3.2.2,
-#: "only 20 SMs"), HybridEP's 24 inside an NVLink domain (docs/README_Hybrid-EP.md default)
-DISPATCHER_SMS = {"deepep": 20, "hybridep": 24}
 KEYS = ("compute", "a2a", "imbalance_wait", "tp_comm", "pipeline_bubble", "exposed_comm", "optimizer")
 
 
@@ -293,25 +290,13 @@ class LaneEngine:
     def _overlap(self, r: int, t: np.ndarray) -> np.ndarray:
         """End of an overlapped forward-backward pair (``collectives.a2a_overlap``: Megatron's
         ``overlap_moe_expert_parallel_comm`` in 1F1B's steady state, DualPipe's paired chunks): one
-        micro-batch's all-to-alls run while the other computes, so the pair takes ``max(kernels x
-        slowdown, all-to-alls)`` instead of their sum; the slowdown is the SMs a DeepEP/HybridEP kernel
-        holds while compute overlaps it (``collectives.dispatcher_sms`` of the GPU's ``sm_count``)."""
+        micro-batch's all-to-alls run while the other computes; compute slows only while an all-to-all
+        runs, by the SMs a DeepEP/HybridEP kernel holds (:func:`~sim.engine.a2a_timing.overlap_saved_s`).
+        What the pair still costs beyond its kernels stays in the a2a share."""
         kernels, comm = self._pair.pop(r)
-        slow = self._sm_slowdown()
-        hidden = kernels + comm - np.maximum(kernels * slow, comm)
-        # hidden <= comm always; below 0 (kernels x slowdown > kernels + comm) the pair is longer than
-        # the two in series: the all-to-all hides nothing and the slowed kernels take the extra
-        self.key["a2a"][r] -= np.maximum(hidden, 0.0)
-        self.key["compute"][r] += np.maximum(-hidden, 0.0)
-        return t - hidden  # (traced spans of the pair stay drawn one after the other)
-
-    def _sm_slowdown(self) -> float:
-        c = self.s.collectives
-        sms = self.s.topology.gpu.sm_count
-        if c.all_to_all not in ("deepep", "hybridep") or not sms:
-            return 1.0
-        taken = c.dispatcher_sms or DISPATCHER_SMS[c.all_to_all]
-        return sms / max(sms - taken, 1)
+        saved = overlap_saved_s(kernels, comm, sm_slowdown(self.s))
+        self.key["a2a"][r] -= saved
+        return t - saved  # (traced spans of the pair stay drawn one after the other)
 
     def _weights(self, r: int, chunk, micro: int, t: np.ndarray) -> np.ndarray:
         total = np.zeros(self.n)

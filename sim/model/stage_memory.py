@@ -45,8 +45,14 @@ def in_flight(s: Scenario, rank: int) -> float:
     """Micro-batches' worth of the rank's layers (all its chunks) whose activations the pipeline
     keeps alive at its peak."""
     p, m = s.parallelism, s.training.grad_accum_steps
-    if p.pp == 1:  # with a2a overlap, one micro-batch's forward runs beside the previous one's backward
-        return float(min(2, m)) if s.collectives.a2a_overlap else 1.0
+    if p.pp == 1:
+        if s.collectives.a2a_overlap and m >= 2:
+            # Megatron's combined 1F1B runs layer i's forward of micro-batch j + 1 beside layer L - 1 - i's
+            # backward of j and frees each backward layer's state as it goes
+            # (model_chunk_schedule_plan.py, run()): one micro-batch's layers plus one layer alive
+            layers = sum(len(vs.layers) for vs in rank_chunks(s)[rank])
+            return 1.0 + 1.0 / max(layers, 1)
+        return 1.0
     if p.schedule == "dualpipe":
         # DeepSeek-V3 table 2: PP + 1 micro-batches of one stage; a rank runs two stages (r, pp-1-r)
         return min(p.pp + 1, m) / 2

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from sim.engine.a2a_timing import overlap_saved_s, sm_slowdown
 from sim.frameworks.kernels import ATTENTION_BWD_FACTOR
 from sim.frameworks.policies import policy_of
 from sim.frameworks.pricing import tp_split
@@ -39,9 +40,6 @@ from sim.model.flops import (
     shared_expert_gemms,
 )
 from sim.model.params import layer_params
-
-#: SMs DeepEP / HybridEP hold while compute overlaps them (the lane engine's defaults)
-DISPATCHER_SMS = {"deepep": 20, "hybridep": 24}
 
 
 @dataclass
@@ -185,9 +183,7 @@ class Screen:
         pol = policy_of(s)
         T = t.micro_batch_size * t.seq_len / p.cp
         Tsp = T / p.tp if s.sequence_parallel else T
-        sms = s.topology.gpu.sm_count
-        taken = s.collectives.dispatcher_sms or DISPATCHER_SMS.get(s.collectives.all_to_all, 0)
-        slow = sms / max(sms - taken, 1) if sms and taken else 1.0
+        slow = sm_slowdown(s)
         per_rank, parts = [], {"compute": 0.0, "a2a": 0.0, "comm": 0.0}
         params_rank = []
         for chunks in rank_chunks(s):
@@ -213,8 +209,9 @@ class Screen:
                 comm += max(0.0, gathers * self._ring(s.dp * p.cp, ne * bpe, s.layout.stage_size)
                             + self._ring(s.edp, ex * bpe, s.layout.stage_size) - 0.5 * kern)  # fmt: skip
             if s.collectives.a2a_overlap and a2a > 0:
-                busy = max(kern * slow, a2a) + comm
-                parts["a2a"] += max(0.0, a2a - kern * slow)
+                saved = float(overlap_saved_s(kern, a2a, slow))
+                busy = kern + a2a - saved + comm
+                parts["a2a"] += a2a - saved
             else:
                 busy = kern + comm + a2a
                 parts["a2a"] += a2a
