@@ -143,6 +143,7 @@ class A2ATiming:
         scale = self.elem_bytes[op.direction] / self.elem
         if scale != 1.0:
             pairs = pairs * scale
+        recv = pairs.sum(axis=1)  # (groups, ep): bytes each member receives in dispatch, its own included
         if op.direction == "combine":
             pairs = pairs.transpose(0, 2, 1)
         grank = ranks[sel]
@@ -171,12 +172,26 @@ class A2ATiming:
             else:
                 fwd = self._fan_bytes(grank[g].tolist(), off[g], op.direction, gpn) if hier else None
                 fin[g] = self._estimate(off[g], same[g], inter[g] if hier else None, grank[g], fwd)
+        fin = self._sm_bound(fin, recv, inter, op.direction)
         out = np.zeros(len(q))
         out_sent, out_inter = np.zeros(len(q)), np.zeros(len(q))
         out[sel.reshape(-1)] = fin.reshape(-1)
         out_sent[sel.reshape(-1)] = sent.reshape(-1)
         out_inter[sel.reshape(-1)] = inter.reshape(-1)
         return out, out_sent, out_inter
+
+    def _sm_bound(self, fin: np.ndarray, recv: np.ndarray, inter: np.ndarray, direction: str) -> np.ndarray:
+        """DeepEP's normal kernels inside one NVLink domain move at most their SMs x the GPU's
+        ``deepep_GBps_per_sm`` (its benchmark's bytes: what a rank receives in dispatch, its own copy
+        included, and the same bytes back in combine): a member ends no sooner than those bytes at that
+        rate. Groups with RDMA traffic, other dispatchers and GPUs without the figure are unchanged."""
+        fig = self.s.topology.gpu.deepep_GBps_per_sm
+        if self.algo != "deepep" or fig is None:
+            return fin
+        sms = self.s.collectives.dispatcher_sms or DISPATCHER_SMS["deepep"]
+        rate = sms * (fig.dispatch_GBps if direction == "dispatch" else fig.combine_GBps) * 1e9
+        inside = ~(inter > 0).any(axis=1, keepdims=True)
+        return np.where(inside, np.maximum(fin, recv / rate), fin)
 
     def _relay_unit(self, grank: np.ndarray) -> int:
         """GPUs of the unit DeepEP / HybridEP relay between: a node, or the whole NVLink domain when every

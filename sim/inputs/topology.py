@@ -68,6 +68,17 @@ class AttentionFigure(StrictModel):
     source: str = Field(description="where the figures are published, and how any derived one was derived")
 
 
+class DispatcherSMFigure(StrictModel):
+    """What one SM of a dispatcher kernel moves: its benchmark's bandwidth over the SMs it ran on, where
+    that bandwidth grows with the SMs (the kernel, not the link, is the limit)."""
+
+    model_config = _STRICT
+    kernel: str = Field(description="kernel, measurement and shape, e.g. DeepEP normal intranode, 8 ranks")
+    dispatch_GBps: float = Field(gt=0, le=_BIG, description="dispatch bandwidth per SM, GB/s (the benchmark's bytes)")
+    combine_GBps: float = Field(gt=0, le=_BIG, description="combine bandwidth per SM, GB/s")
+    source: str = Field(description="where the measurement is published and how the per-SM figure was derived")
+
+
 class GpuSpec(StrictModel):
     """One accelerator (or one CPU rank): peak math rates, HBM bandwidth and capacity, and the public
     measurements the cost model fits its efficiency curves to (:mod:`sim.hardware.costs`)."""
@@ -88,6 +99,11 @@ class GpuSpec(StrictModel):
         default=None, gt=0, le=1, description="achieved fraction of hbm_bw_GBps by streaming kernels"
     )
     attention: AttentionFigure | None = Field(default=None, description="measured fused-attention throughput")
+    deepep_GBps_per_sm: DispatcherSMFigure | None = Field(
+        default=None,
+        description="DeepEP's normal intranode kernels: bandwidth per SM they hold; caps an all-to-all inside "
+        "one NVLink domain at SMs x this (unset: only the links limit it)",
+    )
     fp8_block_gemm_fraction: float | None = Field(
         default=None,
         gt=0,

@@ -10,7 +10,9 @@
 
 The simulated kernel is the dispatcher of :mod:`sim.engine.a2a_timing` (``deepep``/``hybridep``:
 RDMA to the same-index GPU of each node, NVLink forwarding, each token once per rank) timed by its
-exact (processor-sharing) model; the kernel's own launch and the SMs it runs on are not modelled.
+exact (processor-sharing) model, each point with its kernel and SMs (DeepEP's normal kernels inside
+one NVLink domain capped at SMs x the GPU's ``deepep_GBps_per_sm``); the kernel's own launch is not
+modelled.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ def _scenario(sc: dict[str, Any], point: dict[str, Any], entry) -> Any:
         "parallelism": {"ep": ep, "zero_stage": 0},
         "training": {"micro_batch_size": 1, "seq_len": int(sc["tokens_per_rank"]), "dtype": "bf16"},
         "routing": {**routing, "dispatch": "dropless", "capacity_factor": None, "seed": 0},
-        "collectives": {"all_to_all": "deepep"},
+        "collectives": {"all_to_all": "hybridep" if "hybrid" in str(point.get("kernel", "")).lower() else "deepep",
+                        **({"dispatcher_sms": int(point["sms"])} if "sms" in point else {})},
     }  # fmt: skip
     return scenario_from_dict(data, source=str(entry["_path"]), base_dir=entry["_path"].parent)
 
@@ -66,6 +69,7 @@ def dispatcher_bandwidth(sc: dict[str, Any], point: dict[str, Any], entry) -> di
     q = np.arange(s.ep)
     out: dict[str, float] = {}
     nodes = s.cluster.nodes
+    nvl = nodes == 1 or timing._relay_unit(q[None, :]) >= s.ep  # the whole group over NVLink (one NVL72 domain)
     rank_tokens = plan.arrays.rank_tokens[0, 0].astype(np.float64)  # (ep, ep) distinct tokens src -> dst
     node_tokens = plan.arrays.node_tokens[0, 0][:, :nodes].astype(np.float64)
     for direction in ("dispatch", "combine"):
@@ -73,9 +77,9 @@ def dispatcher_bandwidth(sc: dict[str, Any], point: dict[str, Any], entry) -> di
         fin, _, _ = timing.run(0, op, 0, q, q, np.zeros(s.ep))
         t = float(fin.mean())
         per_elem = timing.elem_bytes[direction]
-        # intranode: NVL bytes received, one copy per rank, own rank included; internode: RDMA
-        # tokens sent per destination node, own node included
-        moved = (rank_tokens.sum(axis=0) if nodes == 1 else node_tokens.sum(axis=1)) * per_elem
+        # intranode (or one NVLink domain): NVL bytes received, one copy per rank, own rank included;
+        # internode: RDMA tokens sent per destination node, own node included
+        moved = (rank_tokens.sum(axis=0) if nvl else node_tokens.sum(axis=1)) * per_elem
         out[f"{direction}_s"] = t
         out[f"{direction}_GBps"] = float(moved.mean()) / t / 1e9
     return out
@@ -102,9 +106,10 @@ def a2a_rows(entry) -> list:
                     note="not simulated: DeepEP's low-latency kernels (pure RDMA, IBGDA) are not modelled")]  # fmt: skip
     points = m.get("points") or [dict(m)]
     sc_points = sc.get("points") or [{}] * len(points)
-    for pt, spt in zip(points, sc_points, strict=False):
+    for i, pt in enumerate(points):  # the measured point's kernel and SMs over the scenario's
+        spt = sc_points[i] if i < len(sc_points) else {}
         bw = dispatcher_bandwidth(
-            sc, {**spt, **{k: pt[k] for k in ("ep", "nodes", "ranks") if k in pt}}, entry
+            sc, {**spt, **{k: pt[k] for k in ("ep", "nodes", "ranks", "kernel", "sms") if k in pt}}, entry
         )
         tag = f"@ep{pt.get('ep', pt.get('ranks', ''))}"
         if "kernel" in pt or "sms" in pt:
