@@ -277,7 +277,10 @@ def test_cpu_job_trace_has_the_simulators_shapes_and_windows(cpu_job):
 
     meta = json.loads((cpu_job / "profile" / "rank-0.json").read_text())["moesim"]
     assert meta["profiled_steps"] == [2, 3, 4] and len(meta["unprofiled_step_s"]) == 1  # steps 2..5 measured
-    cost = max(0.0, statistics.median(meta["profiled_step_s"]) - statistics.median(meta["unprofiled_step_s"]))
+    from hw_validate.train_profiler import PROFILER_COST_MAX
+
+    on, off = statistics.median(meta["profiled_step_s"]), statistics.median(meta["unprofiled_step_s"])
+    cost = min(max(0.0, on - off), PROFILER_COST_MAX * on)  # capped: a loaded machine inflates the difference
     assert tr.profiler_cost_s == pytest.approx(cost)
     fwd = [max(t.steps[i].windows["forward"][1] - t.steps[i].windows["forward"][0]
                - t.profiler_cost_s * t.steps[i].events["forward"] / t.steps[i].events["step"] for t in traces)
