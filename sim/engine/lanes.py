@@ -50,6 +50,8 @@ from sim.frameworks.program import (
     WaitParams,
 )
 from sim.hardware.cluster import Cluster
+from sim.host.cpu_ranks import WAKE_KERNEL, applies_to
+from sim.host.lane_host import LaneHost
 from sim.inputs.scenario import Scenario
 from sim.network.group_times import GroupTimes
 from sim.routing.plan import RoutingPlan
@@ -102,6 +104,8 @@ class LaneEngine:
         self._ids = {k: group_ids(s, self.q, k) for k in ("tp", "etp", "cp", "ep")}
         self._traced: np.ndarray = np.zeros(0, np.int64)
         self.jitter = Jitter(self, jitter) if jitter is not None and exact else None
+        cal = pricer.cost.calibration  # CPU ranks: the calibrated host effects (sim.host.lane_host)
+        self.host = LaneHost(s, cal, self.q, self.S, self.pp) if exact and applies_to(s, cal) else None
         #: per rank, how often each member of its lane arrived last at its all-to-alls
         self.wait_on = np.zeros((self.pp, n, self.L), dtype=np.int32) if exact else None
         self._group_time: dict[tuple, np.ndarray] = {}
@@ -196,6 +200,10 @@ class LaneEngine:
                 self._span(r, k.name, start + total, start + total + secs, layer=k.layer, micro=micro, phase=part,
                            per_rank={"flops": flops if flops is not None else np.zeros(self.n)})
             total = total + secs
+        if self.host is not None:  # noise and stalls of the segment; a late wake-up at its head
+            noisy, late = self.host.segment(r, total)
+            self._span(r, WAKE_KERNEL, t, t + late)
+            total = noisy + late
         self.key["compute"][r] += total
         if r in self._pair:
             self._pair[r][0] += total
@@ -225,6 +233,8 @@ class LaneEngine:
         self.inter[r] += inter
         self._span(r, "imbalance_wait", t, launch)
         self._span(r, op.name, launch, launch + fin, micro=micro, layer=op.layer)
+        if self.host is not None:
+            self.host.blocking_call(r, ids)
         return launch + fin
 
     def _group_comm(self, r: int, op: GroupComm, t: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
@@ -236,6 +246,8 @@ class LaneEngine:
         if op.overlap:
             return launch, launch + dur
         self.key["tp_comm"][r] += dur
+        if self.host is not None:
+            self.host.blocking_call(r, ids)
         return launch + dur, None
 
     def _ops(self, r: int, chunk, ops: list, part: str, micro: int, t: np.ndarray):
@@ -274,6 +286,8 @@ class LaneEngine:
                 self.key["exposed_comm"][r] += end - t
                 self._span(r, "capacity_sync_wait", t, end)
                 t = end
+                if self.host is not None:
+                    self.host.blocking_call(r, ids)
         return t
         yield  # a generator like the other steps of a stage's process
 
