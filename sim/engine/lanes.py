@@ -184,26 +184,27 @@ class LaneEngine:
         box[0].succeed()
 
     def _kernels(self, r: int, op: Kernels, part: str, micro: int, t: np.ndarray, pending) -> np.ndarray:
-        total = np.zeros(self.n)
-        start = t
+        priced = []
         for k in op.kernels:
-            kp = part
             if k.name == "selective_recompute":
-                secs = self.pricer.selective_recompute(k.layer, k.moe, micro, self.q, r)
-                flops = None
+                secs, flops = self.pricer.selective_recompute(k.layer, k.moe, micro, self.q, r), None
             else:
-                secs, flops = self.pricer.price(k.name, k.layer, k.moe, micro, kp, self.q, r)
-            if self.jitter is not None:
-                secs = secs * self.jitter.next(r)
+                secs, flops = self.pricer.price(k.name, k.layer, k.moe, micro, part, self.q, r)
+            priced.append((k, secs * self.jitter.next(r) if self.jitter is not None else secs, flops))
+        total = sum((secs for _, secs, _ in priced), np.zeros(self.n))
+        stretch, late = 1.0, np.zeros(self.n)
+        if self.host is not None:  # noise and stalls stretch the segment's kernels; a late wake-up at its head
+            noisy, late = self.host.segment(r, total)
+            stretch = np.divide(noisy, total, out=np.ones(self.n), where=total > 0)
+            self._span(r, WAKE_KERNEL, t, t + late)
+        start, total = t + late, late.copy()
+        for k, secs, flops in priced:
+            secs = secs * stretch
             self.by_name[k.name][r] += secs
             if self.trace:
-                self._span(r, k.name, start + total, start + total + secs, layer=k.layer, micro=micro, phase=part,
-                           per_rank={"flops": flops if flops is not None else np.zeros(self.n)})
+                self._span(r, k.name, start + total - late, start + total - late + secs, layer=k.layer, micro=micro,
+                           phase=part, per_rank={"flops": flops if flops is not None else np.zeros(self.n)})  # fmt: skip
             total = total + secs
-        if self.host is not None:  # noise and stalls of the segment; a late wake-up at its head
-            noisy, late = self.host.segment(r, total)
-            self._span(r, WAKE_KERNEL, t, t + late)
-            total = noisy + late
         self.key["compute"][r] += total
         if r in self._pair:
             self._pair[r][0] += total
