@@ -25,7 +25,8 @@ SHARED = {"dgx-h100": "h100-sxm", "h800-cluster": "h800-sxm", "hgx-h200": "h200-
           "gb200-nvl72": "gb200", "dgx-b300": "b300-sxm", "gb300-nvl72": "gb300"}  # fmt: skip
 #: a GPU description's numeric fields, each with its unit (or a count / fraction) in its name
 UNIT_NAMES = {"hbm_bw_GBps", "hbm_GiB", "kernel_launch_us", "sm_count", "hbm_efficiency", "fwd_TFLOPs",
-              "bwd_TFLOPs", "sustained_compute_fraction", "fp8_block_gemm_fraction"}  # fmt: skip
+              "bwd_TFLOPs", "sustained_compute_fraction", "fp8_block_gemm_fraction", "dispatch_GBps",
+              "combine_GBps"}  # fmt: skip
 
 
 def test_every_shipped_file_loads():

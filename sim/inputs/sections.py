@@ -369,7 +369,11 @@ class CollectivesConfig(StrictModel):
         "overlap_moe_expert_parallel_comm, DeepSeek's DualPipe)",
     )
     dispatcher_sms: int | None = Field(
-        default=None, ge=1, le=1024, description="SMs the deepep/hybridep kernels occupy (default: the library's)"
+        default=None,
+        ge=1,
+        le=1024,
+        description="SMs the deepep/hybridep kernels occupy (default: the library's); they slow overlapped "
+        "compute and cap DeepEP's bandwidth inside one NVLink domain",
     )
     tp_comm_overlap: bool = Field(default=False, description="overlap TP all-gather/reduce-scatter with GEMMs")
     all_reduce: Literal["ring", "tree"] = "ring"
