@@ -82,6 +82,11 @@ class A2ATiming:
         self._links: dict[int, np.ndarray] | None = None
         self._bound: dict[tuple, tuple] = {}
         self._flows: dict[tuple, tuple] = {}
+        #: DeepEP's bandwidth cap per direction, B/s (SMs x deepep_GBps_per_sm); None: only the links limit it
+        fig = s.topology.gpu.deepep_GBps_per_sm
+        sms = s.collectives.dispatcher_sms or DISPATCHER_SMS["deepep"]
+        self._per_sm_Bps = None if self.algo != "deepep" or fig is None else {
+            "dispatch": sms * fig.dispatch_GBps * 1e9, "combine": sms * fig.combine_GBps * 1e9}  # fmt: skip
 
     def _rank_links(self) -> np.ndarray:
         """(4, world): per rank the bottleneck bandwidth and latency of its path to a peer in its node
@@ -143,7 +148,8 @@ class A2ATiming:
         scale = self.elem_bytes[op.direction] / self.elem
         if scale != 1.0:
             pairs = pairs * scale
-        recv = pairs.sum(axis=1)  # (groups, ep): bytes each member receives in dispatch, its own included
+        # (groups, ep): bytes each member receives in dispatch, its own included (the SM bound's bytes)
+        recv = pairs.sum(axis=1) if self._per_sm_Bps is not None else None
         if op.direction == "combine":
             pairs = pairs.transpose(0, 2, 1)
         grank = ranks[sel]
@@ -172,7 +178,8 @@ class A2ATiming:
             else:
                 fwd = self._fan_bytes(grank[g].tolist(), off[g], op.direction, gpn) if hier else None
                 fin[g] = self._estimate(off[g], same[g], inter[g] if hier else None, grank[g], fwd)
-        fin = self._sm_bound(fin, recv, inter, op.direction)
+        if recv is not None:
+            fin = self._sm_bound(fin, recv, inter, op.direction)
         out = np.zeros(len(q))
         out_sent, out_inter = np.zeros(len(q)), np.zeros(len(q))
         out[sel.reshape(-1)] = fin.reshape(-1)
@@ -184,14 +191,9 @@ class A2ATiming:
         """DeepEP's normal kernels inside one NVLink domain move at most their SMs x the GPU's
         ``deepep_GBps_per_sm`` (its benchmark's bytes: what a rank receives in dispatch, its own copy
         included, and the same bytes back in combine): a member ends no sooner than those bytes at that
-        rate. Groups with RDMA traffic, other dispatchers and GPUs without the figure are unchanged."""
-        fig = self.s.topology.gpu.deepep_GBps_per_sm
-        if self.algo != "deepep" or fig is None:
-            return fin
-        sms = self.s.collectives.dispatcher_sms or DISPATCHER_SMS["deepep"]
-        rate = sms * (fig.dispatch_GBps if direction == "dispatch" else fig.combine_GBps) * 1e9
+        rate. Groups with RDMA traffic are unchanged."""
         inside = ~(inter > 0).any(axis=1, keepdims=True)
-        return np.where(inside, np.maximum(fin, recv / rate), fin)
+        return np.where(inside, np.maximum(fin, recv / self._per_sm_Bps[direction]), fin)
 
     def _relay_unit(self, grank: np.ndarray) -> int:
         """GPUs of the unit DeepEP / HybridEP relay between: a node, or the whole NVLink domain when every

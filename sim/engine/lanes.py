@@ -191,19 +191,18 @@ class LaneEngine:
             else:
                 secs, flops = self.pricer.price(k.name, k.layer, k.moe, micro, part, self.q, r)
             priced.append((k, secs * self.jitter.next(r) if self.jitter is not None else secs, flops))
-        total = sum((secs for _, secs, _ in priced), np.zeros(self.n))
-        stretch, late = 1.0, np.zeros(self.n)
+        total = np.zeros(self.n)
         if self.host is not None:  # noise and stalls stretch the segment's kernels; a late wake-up at its head
-            noisy, late = self.host.segment(r, total)
-            stretch = np.divide(noisy, total, out=np.ones(self.n), where=total > 0)
-            self._span(r, WAKE_KERNEL, t, t + late)
-        start, total = t + late, late.copy()
+            raw = sum((secs for _, secs, _ in priced), np.zeros(self.n))
+            noisy, total = self.host.segment(r, raw)
+            stretch = np.divide(noisy, raw, out=np.ones(self.n), where=raw > 0)
+            priced = [(k, secs * stretch, flops) for k, secs, flops in priced]
+            self._span(r, WAKE_KERNEL, t, t + total)
         for k, secs, flops in priced:
-            secs = secs * stretch
             self.by_name[k.name][r] += secs
             if self.trace:
-                self._span(r, k.name, start + total - late, start + total - late + secs, layer=k.layer, micro=micro,
-                           phase=part, per_rank={"flops": flops if flops is not None else np.zeros(self.n)})  # fmt: skip
+                self._span(r, k.name, t + total, t + total + secs, layer=k.layer, micro=micro, phase=part,
+                           per_rank={"flops": flops if flops is not None else np.zeros(self.n)})
             total = total + secs
         self.key["compute"][r] += total
         if r in self._pair:

@@ -34,13 +34,14 @@ from sim.frameworks.program import (
 )
 from sim.hardware.costs import CostModel, cpu_adam_time
 from sim.inputs.scenario import Scenario
+from sim.inputs.sections import RECOMPUTE_MODULES
 from sim.inputs.stages import VirtualStage, rank_chunks
 from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div, storage_dtype
 from sim.model.params import count_params, layer_params, layer_tensors, outer_tensors
 
 #: recompute_modules priced as one ``selective_recompute`` kernel (:meth:`Pricer.selective_recompute`);
 #: ``moe`` and ``mlp`` run their block's forward ops again, collectives included.
-KERNEL_RECOMPUTE = frozenset({"layernorm", "moe_act", "core_attn", "mla_up_proj", "shared_experts"})
+KERNEL_RECOMPUTE = frozenset(RECOMPUTE_MODULES) - {"moe", "mlp"}
 
 
 class _Layers:

@@ -9,7 +9,7 @@ topology or more than one section live on :class:`sim.inputs.scenario.Scenario`.
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
@@ -24,8 +24,8 @@ _FFN = 100_000_000  # upper bound on FFN widths
 POLICIES = ("topk", "node_limited", "device_limited")
 #: Megatron-Core's ``recompute_modules`` (transformer_config.py) this simulator prices; ``selective``
 #: without a list recomputes the first two (this schema's meaning of selective since it existed).
-RECOMPUTE_MODULES = ("layernorm", "moe_act", "core_attn", "mla_up_proj", "mlp", "moe", "shared_experts")
 RecomputeModule = Literal["layernorm", "moe_act", "core_attn", "mla_up_proj", "mlp", "moe", "shared_experts"]
+RECOMPUTE_MODULES: tuple[str, ...] = get_args(RecomputeModule)
 SELECTIVE_DEFAULT = ("layernorm", "moe_act")
 #: Collective kinds (nccl-tests names); calibration files key their bytes factors by them.
 Kind = Literal["all_to_all", "all_reduce", "reduce_scatter", "all_gather"]

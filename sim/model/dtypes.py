@@ -42,5 +42,12 @@ def fp8_recipe(dtype: str, recipe: str) -> str | None:
     return "mxfp8" if dtype == "mxfp8" else recipe if dtype == "fp8" else None
 
 
+def saved_gemm_input_bytes(dtype: str, recipe: str) -> float | None:
+    """Bytes per element of a GEMM input kept for the weight gradient under training precision ``dtype``
+    (:data:`SAVED_GEMM_INPUT_BYTES` of its FP8 recipe), None without FP8 (the activation's own bytes)."""
+    r = fp8_recipe(dtype, recipe)
+    return SAVED_GEMM_INPUT_BYTES[r] if r else None
+
+
 __all__ = ["BYTES_PER_ELEMENT", "FP8_RECIPES", "QUANT_BYTES_PER_ELEMENT", "QUANT_KERNELS", "SAVED_GEMM_INPUT_BYTES",
-           "ceil_div", "fp8_recipe", "gemm_dtype", "storage_dtype"]  # fmt: skip
+           "ceil_div", "fp8_recipe", "saved_gemm_input_bytes", "gemm_dtype", "storage_dtype"]  # fmt: skip

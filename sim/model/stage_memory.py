@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from sim.inputs.scenario import Scenario
 from sim.inputs.stages import rank_chunks
-from sim.model.dtypes import BYTES_PER_ELEMENT, SAVED_GEMM_INPUT_BYTES, ceil_div, fp8_recipe, storage_dtype
+from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div, saved_gemm_input_bytes, storage_dtype
 from sim.model.memory import (
     FP32_BYTES,
     GiB,
@@ -144,8 +144,7 @@ def _not_kept(s: Scenario, tokens: int, rows: int, act: int, moe: bool) -> float
     ``mlp`` / ``moe`` / ``shared_experts`` everything their block keeps but its input. ``core_attn``
     keeps its inputs and output: under FlashAttention nothing more is dropped."""
     m, mods, d = s.model, s.training.recompute_set, s.model.hidden_size
-    recipe = fp8_recipe(s.training.dtype, s.training.fp8_recipe)
-    gin = SAVED_GEMM_INPUT_BYTES[recipe] if recipe else act
+    gin = saved_gemm_input_bytes(s.training.dtype, s.training.fp8_recipe) or act
 
     def ffn(n: int, width: int, with_input: bool) -> float:  # an FFN's kept bytes, its fc1 input or not
         kept = ffn_activation_elements(n, d, width, m.ffn_type) * act
@@ -177,8 +176,7 @@ def _activations(s: Scenario, layers: list[int], rank: int, head: bool) -> int:
     split = p.cp * (p.tp if s.sequence_parallel else 1)
     tokens = t.micro_batch_size * t.seq_len // split
     rows = s.routed_tokens_per_rank * m.top_k
-    recipe = fp8_recipe(t.dtype, t.fp8_recipe)
-    gin = SAVED_GEMM_INPUT_BYTES[recipe] if recipe else None  # FP8: GEMM inputs kept quantized
+    gin = saved_gemm_input_bytes(t.dtype, t.fp8_recipe)  # FP8: GEMM inputs kept quantized
     per = [layer_activation_bytes(m, tokens, t.seq_len, t.micro_batch_size, act,
                                   rows if layer_params(m, i).num_experts else None, gemm_input_bytes=gin)
            for i in layers]  # fmt: skip

@@ -75,6 +75,8 @@ def dispatcher_bandwidth(sc: dict[str, Any], point: dict[str, Any], entry) -> di
     nodes = s.cluster.nodes
     nvl = nodes == 1 or timing._relay_unit(q[None, :]) >= s.ep  # the whole group over NVLink (one NVL72 domain)
     rank_tokens = plan.arrays.rank_tokens[0, 0].astype(np.float64)  # (ep, ep) distinct tokens src -> dst
+    received = rank_tokens.sum(axis=0)  # tokens each rank receives, its own included
+    hbm_Bps = cost_model(s).hbm_Bps
     node_tokens = plan.arrays.node_tokens[0, 0][:, :nodes].astype(np.float64)
     for direction in ("dispatch", "combine"):
         op = EPAllToAll(direction, direction, 0, 0)
@@ -83,11 +85,11 @@ def dispatcher_bandwidth(sc: dict[str, Any], point: dict[str, Any], entry) -> di
         if s.collectives.all_to_all == "hybridep":  # its Torch API: kernel + a device-to-device copy of
             # the rank's tokens between its registered buffer and the torch tensor (after the dispatch
             # kernel, before the combine kernel; tests/test_hybrid_ep.py) + misc (not modelled)
-            fin = fin + 2.0 * rank_tokens.sum(axis=0) * per_elem / cost_model(s).hbm_Bps
+            fin = fin + 2.0 * received * per_elem / hbm_Bps
         t = float(fin.mean())
         # intranode (or one NVLink domain): NVL bytes received, one copy per rank, own rank included;
         # internode: RDMA tokens sent per destination node, own node included
-        moved = (rank_tokens.sum(axis=0) if nvl else node_tokens.sum(axis=1)) * per_elem
+        moved = (received if nvl else node_tokens.sum(axis=1)) * per_elem
         out[f"{direction}_s"] = t
         out[f"{direction}_GBps"] = float(moved.mean()) / t / 1e9
     return out
