@@ -94,6 +94,7 @@ class Pricer:
         self.bpe = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
         self.fp8 = t.dtype in ("fp8", "mxfp8")
         self.recipe = fp8_recipe(t.dtype, t.fp8_recipe)
+        self.fused_mlp = t.cutedsl_fused_grouped_mlp
         #: block-scaled FP8 GEMMs: slower kernels on Hopper, MXFP8 ones where the GPU has MX tensor cores
         gpu = cost.gpu
         self.rate_scale = 1.0
@@ -115,8 +116,11 @@ class Pricer:
     def _mem(self, nbytes: float, kernels: int = 1) -> float:
         return nbytes / self.cost.hbm_Bps + kernels * self.cost.launch_s if nbytes > 0 else 0.0
 
-    def _gemm(self, g: Gemm, rows: np.ndarray | float) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-        """(fwd, dgrad, wgrad, FLOPs) of ``g`` on ``rows`` (array or scalar), cast costs included."""
+    def _gemm(self, g: Gemm, rows: np.ndarray | float, quant_input: bool = True,
+              quant_grad: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+        """(fwd, dgrad, wgrad, FLOPs) of ``g`` on ``rows`` (array or scalar), cast costs included: the
+        quantization of its input activation (``quant_input``) and of its output gradient (``quant_grad``)
+        unless the kernel before it writes them quantized (the fused grouped MLP's epilogues)."""
         r = np.atleast_1d(np.asarray(rows, dtype=np.float64))
         fwd, bwd = self.cost.gemm_train_times(r, g.n, g.k, self.dt, self.rate_scale)
         dgrad = self.cost.gemm_times(r, g.k, g.n, self.dt, self.rate_scale)
@@ -126,8 +130,8 @@ class Pricer:
             launches = QUANT_KERNELS[self.recipe] * self.cost.launch_s
             used = r > 0
             weight = (g.n * g.k * per + launches) * self.weight_share
-            fwd = fwd + np.where(used, r * g.k * per + launches + weight, 0.0)
-            dgrad = dgrad + np.where(used, r * g.n * per + launches, 0.0)
+            fwd = fwd + np.where(used, (r * g.k * per + launches) * quant_input + weight, 0.0)
+            dgrad = dgrad + np.where(used, (r * g.n * per + launches) * quant_grad, 0.0)
         return fwd, dgrad, wgrad, 2.0 * r * g.n * g.k
 
     def _gemms(self, gemms: list[Gemm], rows, split: int) -> tuple[float | np.ndarray, ...]:
@@ -205,8 +209,14 @@ class Pricer:
             width = (m.moe_ffn_hidden_size or d) // self.etp
             passes = (3 if m.ffn_type == "gated" else 2) + expert_activation_passes(m)
             flat = rows.reshape(-1)
-            a, b, c, x = self._gemms(expert_gemms(m), flat, self.etp)
-            act = np.where(flat > 0, flat * width * bpe * passes / self.cost.hbm_Bps + self.cost.launch_s, 0.0)
+            if self.fused_mlp:  # TE's CuTe DSL grouped MLP: fc1's epilogue applies the GLU and writes fc2's
+                # MXFP8 input; in backward fc2's dgrad epilogue applies the GLU's gradient and quantizes it
+                fc1, fc2 = (tp_split(g, self.etp) for g in expert_gemms(m))
+                one, two = self._gemm(fc1, flat, quant_grad=False), self._gemm(fc2, flat, quant_input=False)
+                (a, b, c, x), act = (u + v for u, v in zip(one, two, strict=True)), 0.0
+            else:
+                a, b, c, x = self._gemms(expert_gemms(m), flat, self.etp)
+                act = np.where(flat > 0, flat * width * bpe * passes / self.cost.hbm_Bps + self.cost.launch_s, 0.0)
             shape = rows.shape
             return ((a + act).reshape(shape).sum(axis=1), (b + 2 * act).reshape(shape).sum(axis=1),
                     np.asarray(c).reshape(shape).sum(axis=1), np.asarray(x).reshape(shape).sum(axis=1))  # fmt: skip
@@ -232,7 +242,8 @@ class Pricer:
         secs = np.zeros(len(q))
         if "layernorm" in mods:
             secs += 2 * self._mem(2 * self.T_sp * d * bpe)
-        if "moe_act" in mods and moe is not None and self.plan is not None:
+        # fused grouped MLP: its GLU-backward kernel recomputes the activation (experts.py activation_recompute_in_mlp)
+        if "moe_act" in mods and moe is not None and self.plan is not None and not self.fused_mlp:
             rows = self._expert_rows(moe, micro, q).sum(axis=1)
             width = (m.moe_ffn_hidden_size or d) // self.etp
             passes = (3 if m.ffn_type == "gated" else 2) + expert_activation_passes(m)

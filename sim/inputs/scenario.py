@@ -239,6 +239,14 @@ class Scenario(StrictModel):
                                                             if dtype == "mxfp8" and "fp8" in gpu.peak_TFLOPs else ""),
                 field="training.dtype",
             )
+        m = self.model
+        if self.training.cutedsl_fused_grouped_mlp and (dtype != "mxfp8" or m.num_experts <= 1 or m.ffn_type != "gated"):
+            raise InputError(
+                "cutedsl_fused_grouped_mlp is TransformerEngine's block-scaled grouped GLU MLP (ops/fused/grouped_mlp.py: "
+                f"MXFP8 on Blackwell, gated experts); training.dtype is {dtype!r}, model.num_experts {m.num_experts}, "
+                f"model.ffn_type {m.ffn_type!r} (needs mxfp8 and gated experts)",
+                field="training.cutedsl_fused_grouped_mlp",
+            )
 
     def _check_recompute_modules(self) -> None:
         """Megatron-Core's own checks on recompute_modules: mla_up_proj needs MLA attention."""

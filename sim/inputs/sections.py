@@ -200,6 +200,8 @@ class TrainingConfig(StrictModel):
         "which Megatron-Bridge recipes set) or, false, Megatron-LM's default unfused vocab-parallel cross "
         "entropy: fp32 copy, max, subtract, exp, sum, divide, multiply (megatron only)",
     )
+    cutedsl_fused_grouped_mlp: bool = Field(default=False, description="TE's CuTe DSL fused grouped MLP (Megatron-Bridge "
+        "cutedsl_fused_grouped_mlp): the experts' GLU and its MXFP8 casts in the grouped GEMMs' epilogues (mxfp8)")  # fmt: skip
     optimizer: Literal["adam", "sgd"] = "adam"
     offload_optimizer: Literal["none", "cpu"] = "none"
     activation_checkpointing: Literal["full", "selective", "none"] = Field(
