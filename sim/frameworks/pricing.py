@@ -264,8 +264,13 @@ class Pricer:
         core = attention_core_flops_layer(m, seq, layer) * self.s.training.micro_batch_size / (self.cp * tp)
         io = 4 * self.T * (m.num_attention_heads // tp) * m.head_size * bpe
         core_dt = "bf16" if self.fp8 else self.dt  # FlashAttention runs bf16 under FP8 recipes
-        cf = self.cost.attention_time(core, io, core_dt)
-        return cf, self.cost.attention_time(ATTENTION_BWD_FACTOR * core, 2 * io, core_dt), core
+        rf = rb = 1.0
+        shapes = self.cost.gpu.attention_shapes  # measured rates of MLA, windows, FP8 against the reference shape
+        if shapes is not None and self.cost.attention_from_figure:
+            dt = ("mxfp8" if self.dt == "mxfp8" else "fp8") if self.s.training.fp8_attention else "bf16"
+            rf, rb = shapes.ratio(m.attention == "mla", m.attention_window(layer), dt)
+        cf = self.cost.attention_time(core / rf, io, core_dt)
+        return cf, self.cost.attention_time(ATTENTION_BWD_FACTOR * core / rb, 2 * io, core_dt), core
 
     def price(self, name: str, layer: int, moe: int | None, micro: int, part: str, q: np.ndarray,
               stage: int) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip

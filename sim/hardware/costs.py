@@ -167,12 +167,18 @@ class CostModel:
             return cal.attention_efficiency
         return DEFAULT_ATTENTION_EFFICIENCY
 
+    @property
+    def attention_from_figure(self) -> bool:
+        """Whether the attention core runs at the GPU's ``attention`` figure (no calibrated efficiency)."""
+        cal = self.calibration
+        return self.gpu.attention is not None and (cal is None or cal.attention_efficiency is None)
+
     def attention_flops_per_s(self, dtype: str) -> float:
         """Attention-core FLOP/s: the calibration's efficiency x the GEMM peak if it measured one, else
         the GPU's attention figure (forward and backward as one rate, backward weighted by its 2.5x
         FLOPs; in BF16 for FP8 training), else the generic efficiency x the GEMM peak."""
-        cal, fig = self.calibration, self.gpu.attention
-        if (cal is not None and cal.attention_efficiency is not None) or fig is None:
+        fig = self.gpu.attention
+        if not self.attention_from_figure:
             return self.gemm_curve(dtype).peak_flops * self.attention_efficiency
         w = ATTENTION_BWD_FLOPS
         combined = (1.0 + w) / (1.0 / fig.fwd_TFLOPs + w / fig.bwd_TFLOPs) * 1e12

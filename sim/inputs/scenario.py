@@ -248,6 +248,15 @@ class Scenario(StrictModel):
                 field="training.cutedsl_fused_grouped_mlp",
             )
 
+        if self.training.fp8_attention and (dtype not in ("fp8", "mxfp8") or gpu.attention_shapes is None):
+            raise InputError(
+                f"fp8_attention runs the attention core in {dtype if dtype in ('fp8', 'mxfp8') else 'fp8'} at the "
+                f"GPU's measured FP8 attention rates: training.dtype is {dtype!r} (needs fp8 or mxfp8) and "
+                f"{gpu.kind} (topology '{self.topology.name}') "
+                + ("has no attention_shapes figure" if gpu.attention_shapes is None else "has one"),
+                field="training.fp8_attention",
+            )
+
     def _check_recompute_modules(self) -> None:
         """Megatron-Core's own checks on recompute_modules: mla_up_proj needs MLA attention."""
         mods, m = self.training.recompute_modules or [], self.model

@@ -68,6 +68,52 @@ class AttentionFigure(StrictModel):
     source: str = Field(description="where the figures are published, and how any derived one was derived")
 
 
+class AttentionShapeRates(StrictModel):
+    """One attention shape's measured forward / backward TFLOP/s per precision (one kernel library, one
+    GPU, FLOPs as the benchmark counts them)."""
+
+    model_config = _STRICT
+    shape: Literal["gqa_causal", "mla_causal", "window_causal"] = Field(
+        description="gqa_causal: softmax attention, head dim 128, causal (the reference); mla_causal: MLA's "
+        "192 / 128 head dims, causal; window_causal: a sliding window of `window` tokens"
+    )
+    window: int | None = Field(default=None, ge=1, le=10_000_000, description="window_causal's window, tokens")
+    bf16: tuple[float, float] = Field(description="BF16 forward, backward TFLOP/s")
+    fp8: tuple[float, float] = Field(description="per-tensor FP8 forward, backward TFLOP/s")
+    mxfp8: tuple[float, float] = Field(description="MXFP8 forward, backward TFLOP/s")
+
+
+class AttentionShapes(StrictModel):
+    """Measured attention rates per shape and precision against the reference shape (gqa_causal, BF16):
+    a layer's attention core runs at the ``attention`` figure x (its shape's rate in its precision /
+    the reference rate). A windowed layer takes window_causal when its window is at most the measured
+    one; wider windows, and shapes not measured, take gqa_causal."""
+
+    model_config = _STRICT
+    kernel: str = Field(description="kernel, library version and sequence length")
+    shapes: list[AttentionShapeRates] = Field(min_length=1, description="per shape, the measured rates")
+    source: str = Field(description="where the figures are published")
+
+    @model_validator(mode="after")
+    def _has_reference(self) -> AttentionShapes:
+        if not any(r.shape == "gqa_causal" for r in self.shapes):
+            raise ValueError("attention_shapes needs the gqa_causal reference shape")
+        return self
+
+    def ratio(self, mla: bool, window: int | None, dtype: str) -> tuple[float, float]:
+        """(forward, backward) rate of a layer (MLA or not, its window or None) in ``dtype`` (``bf16``,
+        ``fp8`` or ``mxfp8``) over the reference's BF16 rate."""
+        rates = {r.shape: r for r in self.shapes}
+        ref, r = rates["gqa_causal"], rates["gqa_causal"]
+        win = rates.get("window_causal")
+        if mla and "mla_causal" in rates:
+            r = rates["mla_causal"]
+        elif window is not None and win is not None and win.window is not None and window <= win.window:
+            r = win
+        low = getattr(r, dtype)
+        return low[0] / ref.bf16[0], low[1] / ref.bf16[1]
+
+
 class DispatcherSMFigure(StrictModel):
     """What one SM of a dispatcher kernel moves: its benchmark's bandwidth over the SMs it ran on, where
     that bandwidth grows with the SMs (the kernel, not the link, is the limit)."""
@@ -99,6 +145,9 @@ class GpuSpec(StrictModel):
         default=None, gt=0, le=1, description="achieved fraction of hbm_bw_GBps by streaming kernels"
     )
     attention: AttentionFigure | None = Field(default=None, description="measured fused-attention throughput")
+    attention_shapes: AttentionShapes | None = Field(
+        default=None, description="measured attention rates per shape and precision (MLA, sliding windows, FP8)"
+    )
     deepep_GBps_per_sm: DispatcherSMFigure | None = Field(
         default=None,
         description="DeepEP's normal intranode kernels: bandwidth per SM they hold; caps an all-to-all inside "
