@@ -17,6 +17,7 @@ after each layer's backward (:mod:`sim.frameworks.policies` decides when they ar
 from __future__ import annotations
 
 from sim.frameworks import pipeline
+from sim.frameworks.muon import muon_step_s
 from sim.frameworks.policies import Policy, policy_of
 from sim.frameworks.program import (
     CapacitySync,
@@ -287,9 +288,13 @@ def _tail(s: Scenario, chunks: list[Chunk], pol: Policy, cost: CostModel) -> Tai
         norm_s.append(opt * 4 / cost.hbm_Bps + cost.launch_s)
         groups.append(["world"])
     rate = s.topology.node.cpu.adam_Gparams_per_s
+    if s.training.optimizer == "muon":
+        opt_s = muon_step_s(s, cost, [i for c in chunks for i in c.layers], opt)
+    else:
+        opt_s = 0.0 if offload else cost.optimizer_time(opt)
     return Tail(
         optimizer_params=opt,
-        optimizer_s=0.0 if offload else cost.optimizer_time(opt),
+        optimizer_s=opt_s,
         norm_s=norm_s,
         norm_groups=groups,
         gather_nonexpert=ne if pol.post_step_gather else 0,

@@ -10,6 +10,9 @@
   are reduce-scattered bucket by bucket (``bucket_size = max(40M, 1M x dp)`` elements) during the last
   micro-batch's backward; the optimizer updates the shard; the updated parameters are all-gathered at
   the start of the next step's forward, each bucket waited for by the layer that needs it.
+- ``megatron`` with ``optimizer: muon`` (``dist_muon``, :mod:`sim.frameworks.muon`): the same
+  buckets all-reduced (every rank keeps the full gradient), each rank updates the layers it owns, and
+  the updated parameters are all-gathered after the step.
 - ``fsdp2`` (PyTorch ``fully_shard`` per transformer block): each block's parameters are all-gathered
   before its forward (one block of prefetch) and, with ``reshard_after_forward``, freed after it and
   gathered again before its backward; gradients are reduce-scattered per block in every backward.
@@ -46,6 +49,9 @@ class Policy:
 
 def policy_of(s: Scenario) -> Policy:
     t, p = s.training, s.parallelism
+    if t.framework == "megatron" and t.optimizer == "muon":  # LayerWiseDistributedOptimizer (sim/frameworks/muon.py)
+        return Policy("megatron-muon", "all_reduce", False, False, False, False, False, True, True,
+                      max(40_000_000, 1_000_000 * s.dp), "world")  # fmt: skip
     if t.framework == "megatron":
         return Policy("megatron", "reduce_scatter", False, False, False, False, True, False, True,
                       max(40_000_000, 1_000_000 * s.dp), "world")  # fmt: skip

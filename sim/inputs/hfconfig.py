@@ -282,6 +282,7 @@ MAPPERS: dict[str, Callable[[_Config], Fields]] = {
     "qwen3_moe": _qwen3_moe,
     "deepseek_v2": lambda c: _deepseek(c, mtp=False),
     "deepseek_v3": lambda c: _deepseek(c, mtp=True),
+    "kimi_k2": lambda c: _deepseek(c, mtp=True),  # Moonshot's Kimi K2: DeepseekV3ForCausalLM (its README)
     "olmoe": _olmoe,
     "granitemoe": _granitemoe,
     "gpt_oss": _gpt_oss,

@@ -257,6 +257,13 @@ class Scenario(StrictModel):
                 field="training.fp8_attention",
             )
 
+        if self.training.optimizer == "muon" and self.training.framework != "megatron":
+            raise InputError(
+                f"optimizer muon is Megatron-Core's dist_muon (LayerWiseDistributedOptimizer); framework is "
+                f"{self.training.framework!r} (use framework: megatron)",
+                field="training.optimizer",
+            )
+
     def _check_recompute_modules(self) -> None:
         """Megatron-Core's own checks on recompute_modules: mla_up_proj needs MLA attention."""
         mods, m = self.training.recompute_modules or [], self.model

@@ -76,10 +76,13 @@ class MemoryBreakdown:
 
 
 def optimizer_bytes_per_param(dtype: str, optimizer: str) -> int:
-    """ZeRO's K: Adam 12 (mixed) / 8 (fp32); SGD 4 (fp32 master, mixed) / 0 (fp32)."""
+    """ZeRO's K: Adam 12 (mixed) / 8 (fp32); Muon 8 / 4 (fp32 master and momentum); SGD 4 (fp32 master,
+    mixed) / 0 (fp32)."""
     mixed = dtype != "fp32"
     if optimizer == "adam":
         return 12 if mixed else 8
+    if optimizer == "muon":
+        return 8 if mixed else 4
     return 4 if mixed else 0
 
 
