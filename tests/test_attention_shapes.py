@@ -99,3 +99,27 @@ def test_fp8_attention_needs_fp8_and_a_measured_gpu(sets, says, tmp_path):
     assert err.value.field == "training.fp8_attention" and says in str(err.value)
     r = run_cli("simulate", str(path), *sum((["--set", x] for x in sets), []))
     assert r.returncode == 2 and "fp8_attention" in r.stderr
+
+
+def test_the_plan_screen_prices_the_same_shapes():
+    from sim.frameworks.kernels import ATTENTION_BWD_FACTOR
+    from sim.studies.plan_screen import Screen
+
+    s, p = _pricer("Y1")  # windowed and full layers, MXFP8 attention
+    off = s.model_copy(update={"training": s.training.model_copy(update={"fp8_attention": False})})
+    off._topology = s.topology
+    screen = Screen(s)
+    for layer in (0, 1):
+        core = attention_core_flops_layer(s.model, s.training.seq_len, layer) * s.training.micro_batch_size
+        on_f, on_b = screen.layer(s, layer)[:2]
+        off_f, off_b = screen.layer(off, layer)[:2]
+        (rf, rb), (qf, qb) = (shapes_ratio(x, p.cost, layer) for x in (s, off))
+        rate = p.cost.attention_flops_per_s("bf16")
+        assert off_f - on_f == pytest.approx(core / qf / rate - core / rf / rate, rel=1e-6, abs=1e-12)
+        assert off_b - on_b == pytest.approx(ATTENTION_BWD_FACTOR * core * (1 / qb - 1 / rb) / rate, rel=1e-6, abs=1e-12)
+
+
+def shapes_ratio(s, cost, layer):
+    from sim.frameworks.pricing import attention_ratio
+
+    return attention_ratio(s, cost, layer, "mxfp8")

@@ -81,6 +81,18 @@ def tp_split(g: Gemm, tp: int) -> Gemm:
     return g
 
 
+def attention_ratio(s: Scenario, cost: CostModel, layer: int, gemm_dt: str) -> tuple[float, float]:
+    """(forward, backward) factor on the attention figure's rate for ``layer``: the GPU's measured rate of
+    the layer's shape (MLA, a window) in its precision (``training.fp8_attention``: MXFP8 where the GEMMs
+    run ``gemm_dt`` mxfp8, else FP8) over the reference shape's BF16 rate; 1 without ``attention_shapes``
+    or when a calibration measured the attention efficiency."""
+    shapes, m = cost.gpu.attention_shapes, s.model
+    if shapes is None or not cost.attention_from_figure:
+        return 1.0, 1.0
+    dt = ("mxfp8" if gemm_dt == "mxfp8" else "fp8") if s.training.fp8_attention else "bf16"
+    return shapes.ratio(m.attention == "mla", m.attention_window(layer), dt)
+
+
 class Pricer:
     """Kernel seconds of a scenario's blocks: ``price(name, layer, moe, micro, part, ranks)``."""
 
@@ -264,11 +276,7 @@ class Pricer:
         core = attention_core_flops_layer(m, seq, layer) * self.s.training.micro_batch_size / (self.cp * tp)
         io = 4 * self.T * (m.num_attention_heads // tp) * m.head_size * bpe
         core_dt = "bf16" if self.fp8 else self.dt  # FlashAttention runs bf16 under FP8 recipes
-        rf = rb = 1.0
-        shapes = self.cost.gpu.attention_shapes  # measured rates of MLA, windows, FP8 against the reference shape
-        if shapes is not None and self.cost.attention_from_figure:
-            dt = ("mxfp8" if self.dt == "mxfp8" else "fp8") if self.s.training.fp8_attention else "bf16"
-            rf, rb = shapes.ratio(m.attention == "mla", m.attention_window(layer), dt)
+        rf, rb = attention_ratio(self.s, self.cost, layer, self.dt)
         cf = self.cost.attention_time(core / rf, io, core_dt)
         return cf, self.cost.attention_time(ATTENTION_BWD_FACTOR * core / rb, 2 * io, core_dt), core
 
@@ -291,4 +299,4 @@ class Pricer:
         return secs * self.factor[q + stage * self.s.layout.stage_size], flops
 
 
-__all__ = ["PASSES", "Pricer", "tp_split"]
+__all__ = ["PASSES", "Pricer", "attention_ratio", "tp_split"]

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from sim.engine.a2a_timing import overlap_saved_s, sm_slowdown
 from sim.frameworks.kernels import ATTENTION_BWD_FACTOR
 from sim.frameworks.policies import policy_of
-from sim.frameworks.pricing import tp_split
+from sim.frameworks.pricing import attention_ratio, tp_split
 from sim.hardware.costs import CostModel
 from sim.inputs.scenario import Scenario
 from sim.inputs.stages import rank_chunks
@@ -115,7 +115,7 @@ class Screen:
         moe = m.is_moe_layer(i)
         window = m.attention_window(i)
         key = (p.tp, p.cp, p.etp, s.ep, t.micro_batch_size, t.dtype, t.activation_checkpointing, t.recompute_set,
-               moe, window,
+               moe, window, t.fp8_attention, t.cutedsl_fused_grouped_mlp,
                s.collectives.all_to_all, s.sequence_parallel, s.collectives.tp_comm_overlap)  # fmt: skip
         hit = self._layer.get(key)
         if hit is not None:
@@ -131,9 +131,10 @@ class Screen:
         io = 4 * T * (m.num_attention_heads // tp) * m.head_size * bpe
         cdt = "bf16" if t.dtype in ("fp8", "mxfp8") else dt
         extra = norm + mem(3 * Tsp * d * bpe, 2)
-        core_f = self.cost.attention_time(core, io, cdt)
+        rf, rb = attention_ratio(s, self.cost, i, dt)  # the layer's shape and precision (pricing.Pricer's)
+        core_f = self.cost.attention_time(core / rf, io, cdt)
         f += core_f + extra
-        b += self.cost.attention_time(ATTENTION_BWD_FACTOR * core, 2 * io, cdt) + 2 * extra
+        b += self.cost.attention_time(ATTENTION_BWD_FACTOR * core / rb, 2 * io, cdt) + 2 * extra
         act = T * d * bpe
         tp_comm = 0.0 if s.collectives.tp_comm_overlap or not s.sequence_parallel else 2 * self._ring(tp, act, tp)
         comm = tp_comm + self._ring(p.cp, T * 2 * m.kv_heads * m.head_size / tp * bpe * p.cp, tp * p.cp)
@@ -146,7 +147,7 @@ class Screen:
             ef, eb = self._gemms(expert_gemms(m), rows, p.etp, dt)
             width = (m.moe_ffn_hidden_size or d) / p.etp
             passes = (3 if m.ffn_type == "gated" else 2) + expert_activation_passes(m)
-            eact = mem(rows * width * bpe * passes)
+            eact = 0.0 if t.cutedsl_fused_grouped_mlp else mem(rows * width * bpe * passes)  # fused: in the epilogues
             per = s.experts_per_rank
             sf, sb = self._gemms(shared_expert_gemms(m), Tsp, 1, dt)
             f += rf + norm + 2 * perm + per * (ef + eact) + sf
