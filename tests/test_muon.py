@@ -71,6 +71,9 @@ def test_muon_is_megatrons():
     assert err.value.field == "training.optimizer" and "dist_muon" in str(err.value)
     r = run_cli("simulate", str(SCEN), "--set", "training.optimizer=muon")
     assert r.returncode == 2 and "training.optimizer" in r.stderr
+    with pytest.raises(InputError) as err:
+        load_scenario(SCEN, MEGATRON + ["training.optimizer=muon", "training.offload_optimizer=cpu"])
+    assert err.value.field == "training.offload_optimizer"
 
 
 def test_kimi_k2_config_is_deepseek_v3s_architecture_at_its_published_size():

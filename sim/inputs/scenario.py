@@ -257,6 +257,11 @@ class Scenario(StrictModel):
                 field="training.fp8_attention",
             )
 
+        if self.training.optimizer == "muon" and self.training.offload_optimizer != "none":
+            raise InputError(
+                "optimizer muon (Megatron-Core's LayerWiseDistributedOptimizer) keeps its states on the GPU: "
+                "offload_optimizer must be none", field="training.offload_optimizer",
+            )  # fmt: skip
         if self.training.optimizer == "muon" and self.training.framework != "megatron":
             raise InputError(
                 f"optimizer muon is Megatron-Core's dist_muon (LayerWiseDistributedOptimizer); framework is "
