@@ -14,7 +14,8 @@
   one per rank) and updates only those: a rank runs ``1 / dp`` of its stage's dense matrices and
   ``1 / edp`` of its experts'. Gradients are all-reduced (every rank has the full gradient), and the
   updated parameters all-gathered after the step.
-- **Memory.** fp32 master weights and one fp32 momentum: 8 bytes per parameter (Adam: 12).
+- **Memory.** fp32 master weights and one fp32 momentum: 8 bytes per parameter (Adam: 12;
+  :func:`sim.model.memory.optimizer_bytes_per_param`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,6 @@ NS_STEPS = 5
 #: HBM bytes per parameter of Muon's elementwise part: read the gradient (4), read and write the fp32
 #: momentum (8) and master weight (8), write the bf16 weight (2)
 MUON_BYTES_PER_PARAM = 22.0
-#: optimizer states per parameter in mixed precision: fp32 master weight and momentum
-MUON_STATE_BYTES = 8
 
 
 def _split_qkv(m, gemms: list[Gemm]) -> list[Gemm]:
@@ -81,4 +80,4 @@ def muon_step_s(s: Scenario, cost: CostModel, layers: list[int], owned_params: f
     return ns + owned_params * MUON_BYTES_PER_PARAM / cost.hbm_Bps + cost.optimizer_overhead_s
 
 
-__all__ = ["MUON_BYTES_PER_PARAM", "MUON_STATE_BYTES", "NS_STEPS", "layer_matrices", "muon_step_s", "newton_schulz_s"]
+__all__ = ["MUON_BYTES_PER_PARAM", "NS_STEPS", "layer_matrices", "muon_step_s", "newton_schulz_s"]

@@ -248,12 +248,12 @@ class Scenario(StrictModel):
                 field="training.cutedsl_fused_grouped_mlp",
             )
 
-        if self.training.fp8_attention and (dtype not in ("fp8", "mxfp8") or gpu.attention_shapes is None):
+        wrong = ([f"training.dtype is {dtype!r} (needs fp8 or mxfp8)"] if dtype not in ("fp8", "mxfp8") else []) + (
+            [f"{gpu.kind} (topology '{self.topology.name}') has no attention_shapes figure"]
+            if gpu.attention_shapes is None else [])  # fmt: skip
+        if self.training.fp8_attention and wrong:
             raise InputError(
-                f"fp8_attention runs the attention core in {dtype if dtype in ('fp8', 'mxfp8') else 'fp8'} at the "
-                f"GPU's measured FP8 attention rates: training.dtype is {dtype!r} (needs fp8 or mxfp8) and "
-                f"{gpu.kind} (topology '{self.topology.name}') "
-                + ("has no attention_shapes figure" if gpu.attention_shapes is None else "has one"),
+                "fp8_attention runs the attention core at the GPU's measured FP8 attention rates: " + "; ".join(wrong),
                 field="training.fp8_attention",
             )
 

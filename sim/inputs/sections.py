@@ -203,7 +203,7 @@ class TrainingConfig(StrictModel):
     cutedsl_fused_grouped_mlp: bool = Field(default=False, description="TE's CuTe DSL fused grouped MLP (Megatron-Bridge "
         "cutedsl_fused_grouped_mlp): the experts' GLU and its MXFP8 casts in the grouped GEMMs' epilogues (mxfp8)")  # fmt: skip
     fp8_attention: bool = Field(default=False, description="the attention core in FP8 / MXFP8 (Megatron's "
-        "fp8_dot_product_attention, cuDNN): at the GPU's measured fp8_attention rates (dtype fp8 or mxfp8)")  # fmt: skip
+        "fp8_dot_product_attention, cuDNN): at the GPU's measured attention_shapes rates (dtype fp8 or mxfp8)")  # fmt: skip
     optimizer: Literal["adam", "sgd", "muon"] = Field(default="adam", description="adam, sgd, or muon (megatron: "
         "Megatron-Core's dist_muon, layer-wise over dp; Newton-Schulz on the weight matrices)")  # fmt: skip
     offload_optimizer: Literal["none", "cpu"] = "none"

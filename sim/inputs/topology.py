@@ -26,6 +26,13 @@ from typing import Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from sim.errors import InputError
+from sim.inputs.gpu_figures import (
+    AttentionFigure,
+    AttentionShapes,
+    DispatcherSMFigure,
+    Dtype,
+    GemmPoint,
+)
 from sim.inputs.yamlio import StrictModel, field_error, load_yaml_mapping, validate_model
 
 _STRICT = ConfigDict(extra="forbid", frozen=True)
@@ -39,90 +46,6 @@ GPU_DIR = TOPOLOGY_DIR / "gpus"
 #: small enough that unit conversions (x 1e9, x 1e12) stay finite.
 _BIG = 1e9
 
-Dtype = Literal["fp8", "bf16", "fp16", "tf32", "fp32", "mxfp8"]
-#: Largest GEMM dimension a measurement point may give (far past any published shape).
-_MAX_DIM = 10**9
-
-
-class GemmPoint(StrictModel):
-    """One published GEMM measurement: ``C[M, N] = A[M, K] @ B[K, N]`` at ``2 M N K / time``."""
-
-    model_config = _STRICT
-    M: int = Field(ge=1, le=_MAX_DIM, description="rows of A and C (tokens; per group in a grouped GEMM)")
-    N: int = Field(ge=1, le=_MAX_DIM, description="columns of B and C")
-    K: int = Field(ge=1, le=_MAX_DIM, description="reduction dimension")
-    dtype: Dtype = Field(description="operand precision of the kernel")
-    TFLOPs: float = Field(gt=0, le=_BIG, description="achieved 2 M N K / kernel time, TFLOP/s")
-    kernel: str = Field(description="library and kernel that ran (e.g. cuBLAS via torch.matmul)")
-    source: str = Field(description="where the figure is published (repository@commit, issue, paper)")
-
-
-class AttentionFigure(StrictModel):
-    """Measured throughput of a fused attention core (FlashAttention-style), BF16, forward and backward,
-    with FLOPs counted as the source counts them (causal runs credit half the score matrix)."""
-
-    model_config = _STRICT
-    kernel: str = Field(description="kernel and shape, e.g. FlashAttention-3, head dim 128, seq 4096, causal")
-    fwd_TFLOPs: float = Field(gt=0, le=_BIG, description="forward TFLOP/s")
-    bwd_TFLOPs: float = Field(gt=0, le=_BIG, description="backward TFLOP/s")
-    source: str = Field(description="where the figures are published, and how any derived one was derived")
-
-
-class AttentionShapeRates(StrictModel):
-    """One attention shape's measured forward / backward TFLOP/s per precision (one kernel library, one
-    GPU, FLOPs as the benchmark counts them)."""
-
-    model_config = _STRICT
-    shape: Literal["gqa_causal", "mla_causal", "window_causal"] = Field(
-        description="gqa_causal: softmax attention, head dim 128, causal (the reference); mla_causal: MLA's "
-        "192 / 128 head dims, causal; window_causal: a sliding window of `window` tokens"
-    )
-    window: int | None = Field(default=None, ge=1, le=10_000_000, description="window_causal's window, tokens")
-    bf16: tuple[float, float] = Field(description="BF16 forward, backward TFLOP/s")
-    fp8: tuple[float, float] = Field(description="per-tensor FP8 forward, backward TFLOP/s")
-    mxfp8: tuple[float, float] = Field(description="MXFP8 forward, backward TFLOP/s")
-
-
-class AttentionShapes(StrictModel):
-    """Measured attention rates per shape and precision against the reference shape (gqa_causal, BF16):
-    a layer's attention core runs at the ``attention`` figure x (its shape's rate in its precision /
-    the reference rate). A windowed layer takes window_causal when its window is at most the measured
-    one; wider windows, and shapes not measured, take gqa_causal."""
-
-    model_config = _STRICT
-    kernel: str = Field(description="kernel, library version and sequence length")
-    shapes: list[AttentionShapeRates] = Field(min_length=1, description="per shape, the measured rates")
-    source: str = Field(description="where the figures are published")
-
-    @model_validator(mode="after")
-    def _has_reference(self) -> AttentionShapes:
-        if not any(r.shape == "gqa_causal" for r in self.shapes):
-            raise ValueError("attention_shapes needs the gqa_causal reference shape")
-        return self
-
-    def ratio(self, mla: bool, window: int | None, dtype: str) -> tuple[float, float]:
-        """(forward, backward) rate of a layer (MLA or not, its window or None) in ``dtype`` (``bf16``,
-        ``fp8`` or ``mxfp8``) over the reference's BF16 rate."""
-        rates = {r.shape: r for r in self.shapes}
-        ref, r = rates["gqa_causal"], rates["gqa_causal"]
-        win = rates.get("window_causal")
-        if mla and "mla_causal" in rates:
-            r = rates["mla_causal"]
-        elif window is not None and win is not None and win.window is not None and window <= win.window:
-            r = win
-        low = getattr(r, dtype)
-        return low[0] / ref.bf16[0], low[1] / ref.bf16[1]
-
-
-class DispatcherSMFigure(StrictModel):
-    """What one SM of a dispatcher kernel moves: its benchmark's bandwidth over the SMs it ran on, where
-    that bandwidth grows with the SMs (the kernel, not the link, is the limit)."""
-
-    model_config = _STRICT
-    kernel: str = Field(description="kernel, measurement and shape, e.g. DeepEP normal intranode, 8 ranks")
-    dispatch_GBps: float = Field(gt=0, le=_BIG, description="dispatch bandwidth per SM, GB/s (the benchmark's bytes)")
-    combine_GBps: float = Field(gt=0, le=_BIG, description="combine bandwidth per SM, GB/s")
-    source: str = Field(description="where the measurement is published and how the per-SM figure was derived")
 
 
 class GpuSpec(StrictModel):
