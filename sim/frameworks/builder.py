@@ -38,7 +38,7 @@ from sim.inputs.scenario import Scenario
 from sim.inputs.sections import RECOMPUTE_MODULES
 from sim.inputs.stages import VirtualStage, rank_chunks
 from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div, storage_dtype
-from sim.model.params import count_params, layer_params, layer_tensors, outer_tensors
+from sim.model.params import count_params, layer_params, layer_tensors, outer_tensors, rank_layer_params
 
 #: recompute_modules priced as one ``selective_recompute`` kernel (:meth:`Pricer.selective_recompute`);
 #: ``moe`` and ``mlp`` run their block's forward ops again, collectives included.
@@ -161,9 +161,7 @@ def _params(s: Scenario) -> tuple[dict[int, tuple[int, int]], int, int]:
     m, p = s.model, s.parallelism
     out = {}
     for i in range(m.num_layers):
-        lp = layer_params(m, i)
-        ne = (lp.attention + lp.dense_ffn) // p.tp + lp.shared_expert + lp.router + lp.norms
-        out[i] = (ne, lp.expert_each * s.experts_per_rank // p.etp)
+        out[i] = rank_layer_params(m, i, p.tp, p.etp, s.experts_per_rank)
     counts = count_params(m)
     final_norm = counts.norms - sum(layer_params(m, i).norms for i in range(m.num_layers))
     output = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size  # counts.embedding holds both tables
@@ -249,6 +247,8 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
                 bwd.append(ParamGather(f"b{rev[j + 1]}", *params[rev[j + 1]]))
             bwd.append(WaitParams(f"b{i}"))
         bwd += layers.backward(i, layer_recompute(s, vs.layers.index(i), recompute))
+        if s.training.framework == "fsdp2":  # its post-backward hook's copy-in (see Pricer, fsdp_grad_copy_in)
+            bwd.append(Kernels([Kernel("fsdp_grad_copy_in", i)], i))
         bwd.append(Grads(i, *params[i], every))
     if vs.embedding:
         bwd += [*layers._tp(-1, "embedding", True), Kernels([Kernel("embedding", -1)], -1)]

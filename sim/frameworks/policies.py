@@ -15,7 +15,9 @@
   the updated parameters are all-gathered after the step.
 - ``fsdp2`` (PyTorch ``fully_shard`` per transformer block): each block's parameters are all-gathered
   before its forward (one block of prefetch) and, with ``reshard_after_forward``, freed after it and
-  gathered again before its backward; gradients are reduce-scattered per block in every backward.
+  gathered again before its backward; gradients are reduce-scattered per block in every backward, after
+  the post-backward hook copies them into the reduce-scatter input in ``reduce_dtype`` on the compute
+  stream (torch ``foreach_reduce``; the builder's ``fsdp_grad_copy_in`` kernel).
 
 Dense (non-expert) parameters are sharded over the data-parallel group (with context parallelism,
 dp x cp, as Megatron's ``dp-cp`` group), experts over the expert-data-parallel group.

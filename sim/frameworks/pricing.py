@@ -50,6 +50,7 @@ from sim.model.flops import (
     router_gemm,
     shared_expert_gemms,
 )
+from sim.model.params import rank_layer_params
 from sim.routing.plan import RoutingPlan
 
 #: Megatron-LM's unfused vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py,
@@ -156,7 +157,7 @@ class Pricer:
     # ---- blocks -------------------------------------------------------------------------------
     def _static(self, name: str, layer: int) -> tuple[float, float, float, float]:
         """(fwd, dgrad-like backward, wgrad, FLOPs) of a block that does not depend on routing."""
-        key = (name, layer if name == "attention" else None)
+        key = (name, layer if name in ("attention", "fsdp_grad_copy_in") else None)
         hit = self._scalar.get(key)
         if hit is not None:
             return hit
@@ -194,6 +195,11 @@ class Pricer:
                 ce_f = self._mem(logits * UNFUSED_CE_FWD_BYTES, kernels=UNFUSED_CE_FWD_KERNELS)
                 ce_b = self._mem(logits * UNFUSED_CE_BWD_BYTES, kernels=UNFUSED_CE_BWD_KERNELS)
             out = (float(f[0]) + norm + ce_f, float(dg[0]) + norm + ce_b, float(wg[0]), float(fl[0]))
+        elif name == "fsdp_grad_copy_in":  # torch FSDP2 foreach_reduce, on the compute stream after a block's
+            # backward: the unsharded gradients read and copied into the reduce-scatter input in reduce_dtype
+            ne, ex = rank_layer_params(m, layer, tp, self.etp, self.s.experts_per_rank)
+            reduce_bpe = 4 if self.s.training.grad_reduce_dtype == "fp32" else bpe
+            out = (0.0, 0.0, self._mem((ne + ex) * (bpe + reduce_bpe)), 0.0)  # the weight-gradient part
         elif name == "mtp_proj":
             f, dg, wg, fl = self._gemms(mtp_gemms(m), Tsp, 1)
             out = (float(f[0]) + 2 * norm, float(dg[0]) + 2 * norm, float(wg[0]), float(fl[0])) if m.mtp_layers else (0.0,) * 4

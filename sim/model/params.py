@@ -227,7 +227,16 @@ def outer_tensors(m: ModelConfig) -> int:
     return 1 + (0 if m.tie_word_embeddings else 1) + (2 if m.norm_type == "layernorm" else 1)
 
 
+def rank_layer_params(m: ModelConfig, layer: int, tp: int, etp: int, experts_per_rank: int) -> tuple[int, int]:
+    """(non-expert, expert) parameters of ``layer`` on one rank: attention and dense FFN split by ``tp``
+    (Megatron's column / row parallel linears), shared experts, router and norms whole, the rank's
+    ``experts_per_rank`` experts split by ``etp``."""
+    lp = layer_params(m, layer)
+    return (lp.attention + lp.dense_ffn) // tp + lp.shared_expert + lp.router + lp.norms, lp.expert_each * experts_per_rank // etp
+
+
 __all__ = [
+    "rank_layer_params",
     "LayerParams",
     "ParamCounts",
     "attention_params",

@@ -39,7 +39,7 @@ from sim.model.flops import (
     router_gemm,
     shared_expert_gemms,
 )
-from sim.model.params import layer_params
+from sim.model.params import rank_layer_params
 
 
 @dataclass
@@ -196,9 +196,10 @@ class Screen:
                     kern += f + b + rc
                     comm += c
                     a2a += a
-                    lp = layer_params(m, i)
-                    ne += (lp.attention + lp.dense_ffn) / p.tp + lp.shared_expert + lp.router + lp.norms
-                    ex += lp.expert_each * s.experts_per_rank / p.etp
+                    lne, lex = rank_layer_params(m, i, p.tp, p.etp, s.experts_per_rank)
+                    ne, ex = ne + lne, ex + lex
+                    if t.framework == "fsdp2":  # the post-backward copy-in of the block's gradients (builder)
+                        kern += self.cost.memory_time((lne + lex) * (bpe + (4 if t.grad_reduce_dtype == "fp32" else bpe)))
                 if vs.embedding:
                     kern += 2 * self.cost.memory_time(2 * Tsp * m.hidden_size * bpe)
                 if vs.head:
