@@ -37,7 +37,7 @@ from sim.hardware.costs import CostModel, cpu_adam_time
 from sim.inputs.scenario import Scenario
 from sim.inputs.sections import RECOMPUTE_MODULES
 from sim.inputs.stages import VirtualStage, rank_chunks
-from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div, storage_dtype
+from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div, grad_reduce_bytes, storage_dtype
 from sim.model.params import count_params, layer_params, layer_tensors, outer_tensors, rank_layer_params
 
 #: recompute_modules priced as one ``selective_recompute`` kernel (:meth:`Pricer.selective_recompute`);
@@ -331,7 +331,7 @@ def build_program(s: Scenario, cost: CostModel, micro_batches: int | None = None
                 last_micro[ins.chunk] = max(last_micro.get(ins.chunk, -1), ins.micro)
         stages.append(StageProgram(r, chunks, seqs[r], _tail(s, chunks, pol, cost), last_micro))
     bpe = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
-    grad_bpe = 4 if t.grad_reduce_dtype == "fp32" else bpe
+    grad_bpe = grad_reduce_bytes(t.dtype, t.grad_reduce_dtype)
     return Program(stages, p.schedule, micro, pol.grad_kind, grad_bpe, bpe, pol.name)
 
 

@@ -33,6 +33,7 @@ from sim.model.dtypes import (
     QUANT_BYTES_PER_ELEMENT,
     QUANT_KERNELS,
     fp8_recipe,
+    fsdp_copy_in_bytes,
     gemm_dtype,
     storage_dtype,
 )
@@ -198,8 +199,8 @@ class Pricer:
         elif name == "fsdp_grad_copy_in":  # torch FSDP2 foreach_reduce, on the compute stream after a block's
             # backward: the unsharded gradients read and copied into the reduce-scatter input in reduce_dtype
             ne, ex = rank_layer_params(m, layer, tp, self.etp, self.s.experts_per_rank)
-            reduce_bpe = 4 if self.s.training.grad_reduce_dtype == "fp32" else bpe
-            out = (0.0, 0.0, self._mem((ne + ex) * (bpe + reduce_bpe)), 0.0)  # the weight-gradient part
+            t = self.s.training
+            out = (0.0, 0.0, self._mem(fsdp_copy_in_bytes(ne + ex, t.dtype, t.grad_reduce_dtype)), 0.0)  # wgrad part
         elif name == "mtp_proj":
             f, dg, wg, fl = self._gemms(mtp_gemms(m), Tsp, 1)
             out = (float(f[0]) + 2 * norm, float(dg[0]) + 2 * norm, float(wg[0]), float(fl[0])) if m.mtp_layers else (0.0,) * 4

@@ -49,5 +49,17 @@ def saved_gemm_input_bytes(dtype: str, recipe: str) -> float | None:
     return SAVED_GEMM_INPUT_BYTES[r] if r else None
 
 
+def grad_reduce_bytes(dtype: str, grad_reduce_dtype: str | None) -> int:
+    """Bytes per gradient element the gradient buffer and its reductions hold: 4 with ``grad_reduce_dtype``
+    fp32, else the parameters' storage dtype's (``training.dtype``)."""
+    return 4 if grad_reduce_dtype == "fp32" else BYTES_PER_ELEMENT[storage_dtype(dtype)]
+
+
+def fsdp_copy_in_bytes(params: float, dtype: str, grad_reduce_dtype: str | None) -> float:
+    """HBM bytes of torch FSDP2's post-backward copy-in (``foreach_reduce``) of ``params`` unsharded
+    gradients: read in the parameters' dtype, written into the reduce-scatter input in the reduce dtype."""
+    return params * (BYTES_PER_ELEMENT[storage_dtype(dtype)] + grad_reduce_bytes(dtype, grad_reduce_dtype))
+
+
 __all__ = ["BYTES_PER_ELEMENT", "FP8_RECIPES", "QUANT_BYTES_PER_ELEMENT", "QUANT_KERNELS", "SAVED_GEMM_INPUT_BYTES",
-           "ceil_div", "fp8_recipe", "saved_gemm_input_bytes", "gemm_dtype", "storage_dtype"]  # fmt: skip
+           "ceil_div", "fp8_recipe", "fsdp_copy_in_bytes", "grad_reduce_bytes", "saved_gemm_input_bytes", "gemm_dtype", "storage_dtype"]  # fmt: skip

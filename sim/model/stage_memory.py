@@ -27,7 +27,13 @@ from __future__ import annotations
 
 from sim.inputs.scenario import Scenario
 from sim.inputs.stages import rank_chunks
-from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div, saved_gemm_input_bytes, storage_dtype
+from sim.model.dtypes import (
+    BYTES_PER_ELEMENT,
+    ceil_div,
+    grad_reduce_bytes,
+    saved_gemm_input_bytes,
+    storage_dtype,
+)
 from sim.model.memory import (
     FP32_BYTES,
     GiB,
@@ -119,7 +125,7 @@ def _states(s: Scenario, ne: int, ex: int) -> tuple[int, int, int, int]:
     if t.framework == "megatron":  # bf16 weights + main grads everywhere, fp32 states sharded
         w = (ne + ex) * wb
         # Megatron-Core's grad buffer: fp32 when gradients are reduced in fp32, else the params' dtype
-        g = (ne + ex) * (FP32_BYTES if t.grad_reduce_dtype == "fp32" else wb)
+        g = (ne + ex) * grad_reduce_bytes(t.dtype, t.grad_reduce_dtype)
         o = ceil_div(ne, dp_shard) * k + ceil_div(ex, s.edp) * k
         return w, g, o, 0
     stage = 3 if t.framework == "fsdp2" else s.parallelism.zero_stage

@@ -25,7 +25,13 @@ from sim.frameworks.pricing import attention_ratio, tp_split
 from sim.hardware.costs import CostModel
 from sim.inputs.scenario import Scenario
 from sim.inputs.stages import rank_chunks
-from sim.model.dtypes import BYTES_PER_ELEMENT, gemm_dtype, storage_dtype
+from sim.model.dtypes import (
+    BYTES_PER_ELEMENT,
+    fsdp_copy_in_bytes,
+    gemm_dtype,
+    grad_reduce_bytes,
+    storage_dtype,
+)
 from sim.model.flops import (
     Gemm,
     attention_core_flops_layer,
@@ -199,7 +205,7 @@ class Screen:
                     lne, lex = rank_layer_params(m, i, p.tp, p.etp, s.experts_per_rank)
                     ne, ex = ne + lne, ex + lex
                     if t.framework == "fsdp2":  # the post-backward copy-in of the block's gradients (builder)
-                        kern += self.cost.memory_time((lne + lex) * (bpe + (4 if t.grad_reduce_dtype == "fp32" else bpe)))
+                        kern += self.cost.memory_time(fsdp_copy_in_bytes(lne + lex, t.dtype, t.grad_reduce_dtype))
                 if vs.embedding:
                     kern += 2 * self.cost.memory_time(2 * Tsp * m.hidden_size * bpe)
                 if vs.head:
@@ -231,7 +237,7 @@ class Screen:
         bubble = pipe - mb * sum(per_rank) / len(per_rank)
         ne, ex = params_rank[per_rank.index(worst)]
         opt = ne / (s.dp * p.cp) + ex / s.edp if pol.optimizer_sharded else ne + ex
-        grad_bytes = 4 if t.grad_reduce_dtype == "fp32" else bpe
+        grad_bytes = grad_reduce_bytes(t.dtype, t.grad_reduce_dtype)
         last = 1.0 / chunks  # the last chunk's gradients reduce after the last backward
         sync = self._ring(s.dp * p.cp, ne * last * grad_bytes, span) + self._ring(s.edp, ex * last * grad_bytes, span)
         tail = self.cost.optimizer_time(opt) + sync
