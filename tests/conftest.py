@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ROOT / "scenarios"
@@ -22,6 +23,24 @@ def run_cli(*args: str, cwd: Path | None = None, timeout: float = 300) -> subpro
         text=True,
         timeout=timeout,
     )
+
+
+def megatron_scenario(tmp_path: Path, model: dict, topology: str = "dgx-h100", parallelism: dict | None = None,
+                      seq_len: int = 4096, **training) -> Path:
+    """A one-node Megatron scenario file (EP8 x DP8, two micro-batches of one sequence, balanced dropless
+    routing) around ``model``, written to ``tmp_path``."""
+    doc = {
+        "name": "megatron",
+        "cluster": {"topology": topology, "nodes": 1},
+        "model": model,
+        "parallelism": {"tp": 1, "ep": 8, "dp": 8, **(parallelism or {})},
+        "training": {"micro_batch_size": 1, "seq_len": seq_len, "grad_accum_steps": 2, "framework": "megatron",
+                     **training},
+        "routing": {"generator": "balanced", "dispatch": "dropless", "capacity_factor": None},
+    }
+    path = tmp_path / "megatron.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    return path
 
 
 def calibrated_scenario(cal, d: Path, name: str = "s", base: Path | None = None, edit=None) -> Path:

@@ -19,7 +19,9 @@ from sim.model.flops import (
     expert_activation_passes,
     expert_gemms,
     forward_flops_per_token,
+    latent_gemms,
     lm_head_gemm,
+    mamba_gemms,
     matmul_active_params,
     model_flops_per_token,
     mtp_gemms,
@@ -45,11 +47,16 @@ def matrix_weights(m: ModelConfig) -> int:
     biases, the MLA low-rank norms and the input-embedding table (a lookup, not a GEMM)."""
     c = count_params(m)
     not_matrix = c.norms
+    attn_layers = sum(m.layer_mixer(i) == "attention" for i in range(m.num_layers))
+    mamba_layers = sum(m.layer_mixer(i) == "mamba" for i in range(m.num_layers))
+    # a Mamba-2 mixer's conv1d (width 4 + bias) over x, B, C, its dt_bias / A_log / D and gated norm
+    conv = m.mamba_d_inner + 2 * m.mamba_groups * m.mamba_state_dim
+    not_matrix += mamba_layers * (conv * 5 + 3 * (m.mamba_num_heads or 0) + m.mamba_d_inner)
     if m.attention == "mla":
         not_matrix += m.num_layers * ((m.q_lora_rank or 0) + (m.kv_lora_rank or 0))
     if m.attention_bias:
-        not_matrix += m.num_layers * (m.num_attention_heads + 2 * m.kv_heads) * m.head_size
-    not_matrix += m.num_layers * (
+        not_matrix += attn_layers * (m.num_attention_heads + 2 * m.kv_heads) * m.head_size
+    not_matrix += attn_layers * (
         m.hidden_size * m.attention_out_bias + m.num_attention_heads * m.attention_sinks
     )
     not_matrix += c.moe_layers * m.num_experts * (int(m.router_bias) + int(m.router_logit_bias))
@@ -65,10 +72,10 @@ def gemm_weights(m: ModelConfig) -> int:
     """Sum of n*k over the GEMMs every layer runs, routed experts counted E times."""
     total = lm_head_gemm(m).n * lm_head_gemm(m).k
     for i in range(m.num_layers):
-        gemms = list(attention_gemms(m))
+        gemms = {"attention": attention_gemms(m), "mamba": mamba_gemms(m), None: []}[m.layer_mixer(i)]
         if layer_params(m, i).num_experts:
-            gemms += [router_gemm(m)] + expert_gemms(m) * m.num_experts + shared_expert_gemms(m)
-        else:
+            gemms += [router_gemm(m)] + expert_gemms(m) * m.num_experts + shared_expert_gemms(m) + latent_gemms(m)
+        elif m.layer_ffn(i):
             gemms += dense_ffn_gemms(m)
         total += sum(g.n * g.k for g in gemms)
     return total

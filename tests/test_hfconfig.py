@@ -338,6 +338,19 @@ PUBLISHED_FIELDS = {
     "DeepSeek-V3": _DSV3,
     "Kimi-K2": {**_DSV3, **dict(num_attention_heads=64, num_experts=384, first_dense_layers=1, num_moe_layers=60,
                                 mtp_layers=0, vocab_size=163840)},  # model_type kimi_k2: DeepSeek-V3's architecture
+    "Nemotron-3-Nano-30B-A3B": dict(  # model_type nemotron_h: 23 Mamba-2, 6 attention, 23 MoE blocks
+        num_layers=52, hidden_size=2688, num_attention_heads=32, kv_heads=2, head_size=128, vocab_size=131072,
+        num_experts=128, top_k=6, moe_ffn_hidden_size=1856, num_moe_layers=23, num_shared_experts=1,
+        shared_expert_ffn_hidden_size=3712, ffn_type="plain", score_function="sigmoid", router_bias=True,
+        mamba_num_heads=64, mamba_head_dim=64, mamba_state_dim=128, mamba_groups=8, mamba_d_inner=4096,
+        mamba_in_proj_width=2 * 4096 + 2 * 8 * 128 + 64,
+    ),
+    "Nemotron-3-Super-120B-A12B": dict(  # 40 Mamba-2, 8 attention, 40 MoE blocks; LatentMoE at 1024; *E MTP
+        num_layers=88, hidden_size=4096, num_attention_heads=32, kv_heads=2, head_size=128, vocab_size=131072,
+        num_experts=512, top_k=22, moe_ffn_hidden_size=2688, moe_latent_size=1024, moe_token_width=1024,
+        num_moe_layers=40, num_shared_experts=1, shared_expert_ffn_hidden_size=5376, mtp_layers=1,
+        mamba_num_heads=128, mamba_head_dim=64, mamba_groups=8, ffn_type="plain", router_bias=True,
+    ),
     "Mixtral-8x7B-v0.1": dict(
         num_layers=32,
         hidden_size=4096,

@@ -86,12 +86,15 @@ def print_table(report: dict[str, Any], memory: dict[str, Any] | None) -> None:
         ("non-expert", "non_expert"),
         ("embedding + head", "embedding"),
         ("attention", "attention"),
+        ("Mamba-2 mixers", "mamba"),
         ("dense FFN", "dense_ffn"),
         ("router", "router"),
         ("norms", "norms"),
         ("MTP (not in total)", "mtp"),
     ]
     for label, key in rows:
+        if key == "mamba" and not report[key]:
+            continue  # a transformer: no Mamba-2 row
         print(f"  {label:<22} {_units(report[key]):>10}  ({report[key]:,})")
     print("  bytes:  " + "  ".join(f"{k} {report['bytes'][k] / 1e9:.2f} GB" for k in sorted(report["bytes"])))
     if memory is None:

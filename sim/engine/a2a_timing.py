@@ -75,7 +75,7 @@ class A2ATiming:
         self.comm = Comm(env, cluster, "ps")
         self.times = GroupTimes(cluster)
         self.algo = s.collectives.all_to_all
-        self.elem = s.model.hidden_size * BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]
+        self.elem = s.model.moe_token_width * BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]  # latent under LatentMoE
         self.ep = s.ep
         #: bytes per element moved by dispatch and by combine (FP8 dispatch: 1 + scales)
         self.elem_bytes = {"dispatch": self.elem, "combine": self.elem}

@@ -60,7 +60,7 @@ class _Layers:
         kv_width = (m.kv_lora_rank or 0) + (m.qk_rope_head_dim or 0) if m.attention == "mla" else 2 * m.kv_heads * m.head_size
         self.kv_bytes = tokens * kv_width // (self.tp if m.attention != "mla" else 1) * bpe  # one cp rank's K and V
         self.routed = s.routed_tokens_per_rank
-        self.expert_bytes = self.routed * self.m.top_k * self.m.hidden_size * bpe  # mean tokens a rank's experts get
+        self.expert_bytes = self.routed * self.m.top_k * self.m.moe_token_width * bpe  # mean tokens a rank's experts get
         self.overlap = s.collectives.tp_comm_overlap
         r = s.routing
         self.capacity_sync = r.dispatch == "capacity_padded" and r.capacity_factor is None and s.ep > 1
@@ -70,6 +70,9 @@ class _Layers:
             if self.m.is_moe_layer(i):
                 self.moe_index[i] = k
                 k += 1
+        for i in range(self.m.num_layers, self.m.num_layers + self.m.mtp_layers):  # an MTP module's MoE block
+            if k and self.m.is_moe_layer(i):  # routes as the last MoE layer does (the plan holds the main layers')
+                self.moe_index[i] = k - 1
 
     def _tp(self, i: int, name: str, first: bool) -> list:
         """The TP collective before (``first``) or after a TP region of layer ``i``."""
@@ -103,13 +106,25 @@ class _Layers:
         kind = "reduce_scatter" if backward else "all_gather"
         return [GroupComm(f"cp_{kind}", kind, "cp", self.kv_bytes * self.cp, i)]
 
-    def forward(self, i: int) -> list:
-        moe = self.moe_index.get(i)
-        ops: list = [*self._tp(i, "attention", True), *self._cp(i, False), Kernels([Kernel("attention", i)], i),
-                     *self._tp(i, "attention", False)]  # fmt: skip
+    def _mixer(self, i: int, backward: bool) -> list:
+        """Layer ``i``'s token mixer with its TP (and, for attention, CP) collectives: attention, a hybrid
+        pattern's Mamba-2 mixer (in_proj column-, out_proj row-parallel, like attention), or nothing."""
+        mixer = self.m.layer_mixer(i)
+        if mixer is None:
+            return []
+        core = [Kernels([Kernel(mixer, i)], i)]
+        if mixer == "attention":  # CP: K/V all-gathered before the forward core, reduce-scattered after the backward's
+            core = [*core, *self._cp(i, True)] if backward else [*self._cp(i, False), *core]
+        return [*self._tp(i, mixer, True), *core, *self._tp(i, mixer, False)]
+
+    def _ffn(self, i: int) -> list:
+        """Layer ``i``'s FFN forward: MoE (route ... unpermute, shared experts), dense MLP, or nothing."""
+        moe, kind = self.moe_index.get(i), self.m.layer_ffn(i)
+        if kind is None:
+            return []
         if moe is None:
-            return [*ops, *self._tp(i, "mlp", True), Kernels([Kernel("mlp", i)], i), *self._tp(i, "mlp", False)]
-        ops.append(Kernels([Kernel("route", i), Kernel("permute", i, moe)], i))
+            return [*self._tp(i, "mlp", True), Kernels([Kernel("mlp", i)], i), *self._tp(i, "mlp", False)]
+        ops: list = [Kernels([Kernel("route", i), Kernel("permute", i, moe)], i)]
         if self.capacity_sync:
             ops.append(CapacitySync(moe, i))
         ops += [EPAllToAll("dispatch", "dispatch", moe, i), *self._etp(i, True),
@@ -119,8 +134,11 @@ class _Layers:
         ops.append(Kernels(tail, i))
         return ops
 
+    def forward(self, i: int) -> list:
+        return [*self._mixer(i, False), *self._ffn(i)]
+
     def backward(self, i: int, recompute: str) -> list:
-        moe = self.moe_index.get(i)
+        moe, kind = self.moe_index.get(i), self.m.layer_ffn(i)
         ops: list = []
         if recompute == "full":
             ops += [Kernels(op.kernels, op.layer, "fwd") if isinstance(op, Kernels) else op for op in self.forward(i)]
@@ -128,20 +146,16 @@ class _Layers:
             mods = self.s.training.recompute_set
             if mods & KERNEL_RECOMPUTE:
                 ops.append(Kernels([Kernel("selective_recompute", i, moe)], i))
-            if ("moe" in mods and moe is not None) or ("mlp" in mods and moe is None):  # the whole block again
-                fwd = self.forward(i)
-                at = next(k for k, op in enumerate(fwd) if isinstance(op, Kernels) and op.kernels[0].name == "attention")
-                ops += [Kernels(op.kernels, op.layer, "fwd") if isinstance(op, Kernels) else op
-                        for op in fwd[at + 1 + len(self._tp(i, "attention", False)):]]  # fmt: skip
-        if moe is None:
+            if ("moe" in mods and moe is not None) or ("mlp" in mods and kind == "dense"):  # the whole block again
+                ops += [Kernels(op.kernels, op.layer, "fwd") if isinstance(op, Kernels) else op for op in self._ffn(i)]
+        if kind == "dense":
             ops += [*self._tp(i, "mlp", True), Kernels([Kernel("mlp", i)], i), *self._tp(i, "mlp", False)]
-        else:
+        elif kind == "moe":
             head = [Kernel("unpermute", i, moe)] + ([Kernel("shared_experts", i)] if self.m.num_shared_experts else [])
             ops += [Kernels(head, i), EPAllToAll("combine", "dispatch", moe, i), *self._etp(i, True),
                     Kernels([Kernel("experts", i, moe)], i), *self._etp(i, False),
                     EPAllToAll("dispatch", "combine", moe, i), Kernels([Kernel("permute", i, moe), Kernel("route", i)], i)]  # fmt: skip
-        return [*ops, *self._tp(i, "attention", True), Kernels([Kernel("attention", i)], i), *self._cp(i, True),
-                *self._tp(i, "attention", False)]  # fmt: skip
+        return [*ops, *self._mixer(i, True)]
 
 
 def _merge(ops: list) -> list:
@@ -160,8 +174,13 @@ def _params(s: Scenario) -> tuple[dict[int, tuple[int, int]], int, int]:
     """Per layer (non-expert, expert) parameters per rank; embedding and head parameters per rank."""
     m, p = s.model, s.parallelism
     out = {}
-    for i in range(m.num_layers):
+    for i in range(m.num_layers + m.mtp_layers):  # MTP modules: their layer and eh_proj (2d x d) + two norms
         out[i] = rank_layer_params(m, i, p.tp, p.etp, s.experts_per_rank)
+        if i >= m.num_layers:
+            ne, ex = out[i]
+            out[i] = (ne + 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size, ex)
+        if i > m.num_layers and m.mtp_repeated_layer:  # mtp_use_repeated_layer: the first module's weights again
+            out[i] = (0, 0)
     counts = count_params(m)
     final_norm = counts.norms - sum(layer_params(m, i).norms for i in range(m.num_layers))
     output = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size  # counts.embedding holds both tables
@@ -196,8 +215,9 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
     every = pol.grads_every_micro
     fwd: list = []
     bwd: list = []
-    ne_total = sum(params[i][0] for i in vs.layers) + (emb if vs.embedding else 0) + (head if vs.head else 0)
-    ex_total = sum(params[i][1] for i in vs.layers)
+    mtp_layers = range(s.model.num_layers, s.model.num_layers + s.model.mtp_layers) if vs.head else range(0)
+    ne_total = sum(params[i][0] for i in [*vs.layers, *mtp_layers]) + (emb if vs.embedding else 0) + (head if vs.head else 0)
+    ex_total = sum(params[i][1] for i in [*vs.layers, *mtp_layers])
     outer_f = (emb if vs.embedding else 0) + (head if vs.head else 0)  # gathered with the first layer
     units = _step_units(vs, params, outer_f)
     if pol.step_gather:
@@ -224,17 +244,22 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
             if not (j == 0 and waited_first):
                 fwd.append(WaitParams(f"f{i}"))
         fwd += layers.forward(i)
-    n = s.model.num_layers
+    n, mtp = s.model.num_layers, range(s.model.num_layers, s.model.num_layers + s.model.mtp_layers)
     if vs.head:
+        # MTP modules (Megatron's MultiTokenPredictionBlock): per module eh_proj over the normed hidden state
+        # and the shifted embedding, then one layer (the model's layer shape: MLA + MoE for DeepSeek-V3, *E
+        # for Nemotron 3); the LM head and the loss run again on each module's output
+        for i in mtp:
+            fwd += [Kernels([Kernel("mtp_proj", n)], n), *layers.forward(i)]
         # column-parallel LM head: its input gathered over TP under SP (the input gradient reduced in backward),
         # the vocab-parallel cross entropy's three all-reduces of per-token floats (max, sum, target logit) as one
-        fwd += [*layers._tp(n, "output", True),
-                Kernels([Kernel("output", n)] + ([Kernel("mtp_proj", n)] if s.model.mtp_layers else []), n),
-                *layers.vocab_parallel_loss(n)]  # fmt: skip
-        bwd += [Kernels([Kernel("output", n)] + ([Kernel("mtp_proj", n)] if s.model.mtp_layers else []), n),
-                *layers._tp(n, "output", False)]  # fmt: skip
+        heads = [Kernel("output", n)] * (1 + len(mtp))
+        fwd += [*layers._tp(n, "output", True), Kernels(heads, n), *layers.vocab_parallel_loss(n)]
+        bwd += [Kernels(heads, n), *layers._tp(n, "output", False)]
         if head:
             bwd.append(Grads(n, head, 0, every))
+        for i in reversed(mtp):
+            bwd += [*layers.backward(i, recompute), Kernels([Kernel("mtp_proj", n)], n), Grads(i, *params[i], every)]
     rev = list(reversed(vs.layers))
     regather = pol.layer_gathers and pol.regather_for_backward and bool(rev)
     if regather:  # ZeRO-3 gathers the head again with the last layer (the per-rank engine's model); FSDP2
@@ -258,8 +283,10 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
             g = bwd[k]
             bwd[k] = Grads(g.layer, g.nonexpert, g.expert, g.every_micro, flush=True)
             break
-    weight = [Kernel("attention", i) for i in vs.layers]
-    weight += [Kernel("experts", i, layers.moe_index[i]) if i in layers.moe_index else Kernel("mlp", i) for i in vs.layers]
+    m = s.model
+    weight = [Kernel(m.layer_mixer(i), i) for i in vs.layers if m.layer_mixer(i)]
+    weight += [Kernel("experts", i, layers.moe_index[i]) if i in layers.moe_index else Kernel("mlp", i)
+               for i in vs.layers if m.layer_ffn(i)]  # fmt: skip
     bpe = BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]
     t, p = s.training, s.parallelism
     send = t.micro_batch_size * t.seq_len // p.cp // (p.tp if s.sequence_parallel else 1) * s.model.hidden_size * bpe

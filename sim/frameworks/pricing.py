@@ -44,12 +44,15 @@ from sim.model.flops import (
     dense_ffn_gemms,
     expert_activation_passes,
     expert_gemms,
+    latent_gemms,
     lm_head_gemm,
+    mamba_gemms,
     mla_rope_bytes,
     mla_up_gemms,
     mtp_gemms,
     router_gemm,
     shared_expert_gemms,
+    ssd_flops_per_token,
 )
 from sim.model.params import rank_layer_params
 from sim.routing.plan import RoutingPlan
@@ -62,8 +65,18 @@ from sim.routing.plan import RoutingPlan
 UNFUSED_CE_FWD_BYTES, UNFUSED_CE_FWD_KERNELS = 38.0, 8
 UNFUSED_CE_BWD_BYTES, UNFUSED_CE_BWD_KERNELS = 14.0, 3
 #: GEMMs split along N (column-parallel) under tensor parallelism; the rest of the TP-split ones along K.
-_COLUMN = ("linear_qkv", "linear_q", "linear_q_up", "linear_kv_up", "linear_fc1", "output_layer")
-_ROW = ("linear_proj", "linear_fc2")
+_COLUMN = ("linear_qkv", "linear_q", "linear_q_up", "linear_kv_up", "linear_fc1", "output_layer", "in_proj")
+_ROW = ("linear_proj", "linear_fc2", "out_proj")
+#: Mamba-2 SSD backward over forward (mamba_ssm ``_mamba_chunk_scan_combined_bwd``): it re-runs the forward's
+#: chunk states and state passing (2 of its 5 kernels, ~0.65 of the bytes they move: the per-chunk states),
+#: then each product's gradients with respect to both operands (2x the forward). An estimate from the
+#: kernels' structure: no published backward timing was found.
+SSD_BWD_OVER_FWD = 2.65
+#: HBM passes over the conv1d channels (x, B, C) and over the gated RMSNorm's d_inner (y, z, output) of
+#: mamba_ssm's ``mamba_split_conv1d_scan_combined`` (checkpoint_lvl 1): forward conv read + write, norm
+#: read y and z, write; backward re-runs both forwards, then conv reads x and dout and writes dx, norm
+#: reads y, z, dout and writes dy, dz.
+CONV_PASSES, GATED_NORM_PASSES = (2, 5), (3, 8)
 #: Routing-dependent blocks kept priced (oldest dropped first): a micro-batch's forward's for its backward.
 RECENT_BLOCKS = 512
 RECENT_BYTES = 1 << 28  # and no more than 256 MiB of them (4 float64 arrays per block)
@@ -172,14 +185,16 @@ class Pricer:
             cf, cb, core = self._attention_core(layer)
             extra = norm + self._mem(3 * Tsp * d * bpe, kernels=2)  # rope, residual
             out = (float(f[0]) + cf + extra, float(dg[0]) + cb + 2 * extra, float(wg[0]), float(fl[0]) + core)
+        elif name == "mamba":
+            out = self._mamba(norm)
         elif name == "mlp":
             f, dg, wg, fl = self._gemms(dense_ffn_gemms(m), T, tp)
             out = (float(f[0]) + norm, float(dg[0]) + 2 * norm, float(wg[0]), float(fl[0]))
         elif name == "shared_experts":
             f, dg, wg, fl = self._gemms(shared_expert_gemms(m), Tsp, 1)
             out = (float(f[0]), float(dg[0]), float(wg[0]), float(fl[0])) if shared_expert_gemms(m) else (0.0,) * 4
-        elif name == "route":
-            f, dg, wg, fl = self._gemms([router_gemm(m)], Tsp, 1)
+        elif name == "route":  # the router, and LatentMoE's projections down and back up (duplicated over TP)
+            f, dg, wg, fl = self._gemms([router_gemm(m), *latent_gemms(m)], Tsp, 1)
             r = self.s.routing
             drop = not (r.dispatch == "dropless" or r.capacity_factor is None)
             of, bf, ob, bb = dispatcher_work("gate", Tsp, d, m.num_experts, m.top_k, 0.0, drop, bpe)
@@ -209,6 +224,27 @@ class Pricer:
         self._scalar[key] = out
         return out
 
+    def _mamba(self, norm: float) -> tuple[float, float, float, float]:
+        """(fwd, backward, wgrad, FLOPs) of one Mamba-2 mixer on a TP rank (Megatron ``MambaMixer``, heads and
+        groups split by tp): in_proj and out_proj GEMMs, the causal conv1d, the chunked SSD (the GPU's
+        ``ssd`` figure; backward :data:`SSD_BWD_OVER_FWD` of it), the gated RMSNorm, the pre-norm and the
+        residual add; with micro-batches of several sequences Megatron's ``_ssm_training`` also copies
+        in_proj's output to batch-major and the SSD output back (``.contiguous()``)."""
+        m, T, bpe, tp = self.m, self.T, self.bpe, self.tp
+        f, dg, wg, fl = self._gemms(mamba_gemms(m), T, tp)
+        heads = (m.mamba_num_heads or 0) // tp
+        ssd = self.cost.ssd_time(T * heads, m.mamba_head_dim, m.mamba_state_dim)
+        conv, gated = T * m.mamba_conv_channels // tp * bpe, T * m.mamba_d_inner // tp * bpe
+        fwd = ssd + self._mem(CONV_PASSES[0] * conv) + self._mem(GATED_NORM_PASSES[0] * gated)
+        bwd = SSD_BWD_OVER_FWD * ssd + self._mem(CONV_PASSES[1] * conv, 2) + self._mem(GATED_NORM_PASSES[1] * gated, 2)
+        if self.s.training.micro_batch_size > 1:  # _ssm_training's rearrange(...).contiguous(): in_proj's output
+            # to batch-major and the SSD output back, each a copy (read + write) forward and its gradient's backward
+            moved = self._mem(2 * T * (m.mamba_in_proj_width + m.mamba_d_inner) // tp * bpe, 2)
+            fwd, bwd = fwd + moved, bwd + moved
+        extra = norm + self._mem(3 * self.T_sp * m.hidden_size * bpe)  # the residual add
+        core = T * ssd_flops_per_token(m, heads)
+        return float(f[0]) + fwd + extra, float(dg[0]) + bwd + 2 * extra, float(wg[0]), float(fl[0]) + core
+
     def _expert_rows(self, moe: int, micro: int, q: np.ndarray) -> np.ndarray:
         """(n, experts_per_rank) rows each local expert of positions ``q`` computes. Under expert tensor
         parallelism the etp ranks of an expert shard (consecutive positions) all-gather their tokens
@@ -221,7 +257,7 @@ class Pricer:
 
     def _routed(self, name: str, moe: int, micro: int, q: np.ndarray):
         """(fwd, dgrad, wgrad, FLOPs) arrays over stage positions ``q`` of a routing-dependent block."""
-        plan, m, d, bpe = self.plan, self.m, self.m.hidden_size, self.bpe
+        plan, m, d, bpe = self.plan, self.m, self.m.moe_token_width, self.bpe
         assert plan is not None
         if name == "experts":  # the grouped GEMMs of the rank's experts, all experts in one vector
             rows = self._expert_rows(moe, micro, q)  # (n, experts_per_rank)
@@ -260,16 +296,17 @@ class Pricer:
         m, d, bpe, mods = self.m, self.m.hidden_size, self.bpe, self.s.training.recompute_set
         secs = np.zeros(len(q))
         if "layernorm" in mods:
-            secs += 2 * self._mem(2 * self.T_sp * d * bpe)
+            secs += m.norms_per_layer * self._mem(2 * self.T_sp * d * bpe)
         # fused grouped MLP: its GLU-backward kernel recomputes the activation (experts.py activation_recompute_in_mlp)
         if "moe_act" in mods and moe is not None and self.plan is not None and not self.fused_mlp:
             rows = self._expert_rows(moe, micro, q).sum(axis=1)
             width = (m.moe_ffn_hidden_size or d) // self.etp
             passes = (3 if m.ffn_type == "gated" else 2) + expert_activation_passes(m)
             secs += rows * width * bpe * passes / self.cost.hbm_Bps + self.s.experts_per_rank * self.cost.launch_s
-        if "core_attn" in mods:
+        attention = m.layer_mixer(layer) == "attention"
+        if "core_attn" in mods and attention:
             secs += self._attention_core(layer)[0]
-        if "mla_up_proj" in mods and m.attention == "mla":
+        if "mla_up_proj" in mods and m.attention == "mla" and attention:
             rope = self._mem(mla_rope_bytes(m, self.T, m.num_attention_heads // self.tp, bpe), kernels=2)
             secs += float(self._gemms(mla_up_gemms(m), self.T, self.tp)[0][0]) + rope
         if "shared_experts" in mods and moe is not None and m.num_shared_experts:

@@ -250,6 +250,17 @@ class CostModel:
             wgrad[ok] = np.maximum(2.0 * mm * n * k / rate, nbytes / self.hbm_Bps) + self.launch_s
         return fwd, dgrad + wgrad
 
+    def ssd_time(self, head_tokens: float, head_dim: int, state_dim: int) -> float:
+        """Forward seconds of Mamba-2's chunked SSD over ``head_tokens`` (tokens x heads) at the GPU's ``ssd``
+        figure, a head-token costing in proportion to head dim x state (the per-chunk states it moves),
+        with the sustained share of the microbenchmark rate as for attention; 5 kernels (cumsum, chunk
+        states, state passing, C B^T, chunk scan)."""
+        fig = self.gpu.ssd
+        if fig is None:
+            raise ValueError(f"{self.gpu.kind} has no ssd figure")  # the scenario refuses this with exit 2
+        rate = fig.fwd_Gheadtokens_per_s * 1e9 * (fig.head_dim * fig.state_dim) / (head_dim * state_dim)
+        return head_tokens / (rate * self.sustained) + SSD_FWD_KERNELS * self.launch_s
+
     def attention_time(self, flops: float, nbytes: float, dtype: str) -> float:
         """Attention core (FlashAttention-style fused kernel) at :meth:`attention_flops_per_s`."""
         if flops <= 0:
@@ -288,6 +299,10 @@ class CostModel:
 
 #: eager ops per gradient tensor in DeepSpeed's gradient norm (``.to(fp64)``, ``vector_norm``, ``.to(device)``)
 NORM_OPS_PER_TENSOR = 3
+
+
+#: Triton kernels of mamba_ssm's SSD forward (_chunk_cumsum, _chunk_state, _state_passing, _bmm_chunk, _chunk_scan)
+SSD_FWD_KERNELS = 5
 
 
 def cpu_adam_time(params: float, ranks_per_node: int, adam_Gparams_per_s: float) -> float:

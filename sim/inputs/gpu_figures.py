@@ -90,6 +90,21 @@ class AttentionShapes(StrictModel):
         return low[0] / ref.bf16[0], low[1] / ref.bf16[1]
 
 
+class SsdFigure(StrictModel):
+    """Measured forward throughput of Mamba-2's chunked SSD (mamba_ssm's Triton ``mamba_chunk_scan_combined``,
+    which Megatron-Core's Mamba mixer runs), in head-tokens per second (tokens x heads / kernel time) at
+    one head dim and state size. The kernels run far below the tensor-core peak, bound by moving the
+    per-chunk states (heads x head dim x state per chunk), so a head-token of another shape costs in
+    proportion to head dim x state."""
+
+    model_config = _STRICT
+    kernel: str = Field(description="kernel, shape and sequence length of the measurement")
+    head_dim: int = Field(ge=1, le=_MAX_DIM, description="head dim P of the measured shape")
+    state_dim: int = Field(ge=1, le=_MAX_DIM, description="state size N of the measured shape")
+    fwd_Gheadtokens_per_s: float = Field(gt=0, le=_BIG, description="forward, 1e9 x tokens x heads per second")
+    source: str = Field(description="where the measurement is published, and how a derived figure was derived")
+
+
 class DispatcherSMFigure(StrictModel):
     """What one SM of a dispatcher kernel moves: its benchmark's bandwidth over the SMs it ran on, where
     that bandwidth grows with the SMs (the kernel, not the link, is the limit)."""
@@ -101,4 +116,6 @@ class DispatcherSMFigure(StrictModel):
     source: str = Field(description="where the measurement is published and how the per-SM figure was derived")
 
 
-__all__ = ["AttentionFigure", "AttentionShapeRates", "AttentionShapes", "DispatcherSMFigure", "Dtype", "GemmPoint"]
+__all__ = [
+    "AttentionFigure", "AttentionShapeRates", "AttentionShapes", "DispatcherSMFigure", "Dtype", "GemmPoint", "SsdFigure",
+]  # fmt: skip

@@ -275,6 +275,61 @@ def _gpt_oss(c: _Config) -> Fields:
     return fields
 
 
+#: HF NemotronH ``layers_block_type`` names -> Megatron-Core hybrid symbols
+_BLOCK_SYMBOL = {"mamba": "M", "attention": "*", "mlp": "-", "moe": "E"}
+
+
+def _nemotron_h(c: _Config) -> Fields:
+    """Nemotron-H / Nemotron-3 (``NemotronHForCausalLM``): a hybrid pattern of Mamba-2, GQA attention,
+    squared-ReLU MLP and MoE blocks (``hybrid_override_pattern``, or ``layers_block_type`` in later
+    configs); MoE with sigmoid routing, a selection bias and one shared expert (HF ``NemotronHMOE``), in
+    Nemotron 3 Super / Ultra through a latent width (``moe_latent_size``) and with attention + MoE MTP modules."""
+    fields = _common(c)
+    fields["ffn_type"] = "plain"  # relu2: up_proj and down_proj, no gate
+    if c.data.get("mlp_hidden_act", "relu2") != "relu2":
+        raise c.error("mlp_hidden_act", f"only relu2 is modelled, got {c.data.get('mlp_hidden_act')!r}")
+    blocks = c.data.get("layers_block_type")
+    if blocks is not None:
+        if not isinstance(blocks, list) or not all(b in _BLOCK_SYMBOL for b in blocks):
+            raise c.error("layers_block_type", f"must be a list of {' / '.join(_BLOCK_SYMBOL)}, got {blocks!r}")
+        pattern = "".join(_BLOCK_SYMBOL[b] for b in blocks)
+    else:
+        pattern = c.data.get("hybrid_override_pattern")
+        if not isinstance(pattern, str) or not pattern:
+            raise c.error("hybrid_override_pattern", "required (or layers_block_type): the hybrid layer pattern")
+    fields["num_layers"] = len(pattern)
+    mtp = c.int("num_nextn_predict_layers", default=0, minimum=0)
+    if mtp:  # Nemotron 3 Super / Ultra / 3.5: each MTP module one attention and one MoE block
+        blocks = c.data.get("mtp_layers_block_type")
+        mtp_pattern = "".join(_BLOCK_SYMBOL.get(b, "?") for b in blocks) if isinstance(blocks, list) else \
+            c.data.get("mtp_hybrid_override_pattern")
+        if mtp_pattern != "*E":
+            raise c.error("mtp_hybrid_override_pattern", f"only an attention + MoE MTP module (*E) is modelled, got {mtp_pattern!r}")
+        fields["mtp_layers"] = mtp
+    if c.data.get("moe_latent_size") is not None:
+        fields["moe_latent_size"] = c.int("moe_latent_size")
+    fields.update(
+        hybrid_pattern=pattern,
+        attention_bias=c.bool("attention_bias", False),
+        linear_bias=c.bool("mlp_bias", False),
+        mamba_num_heads=c.int("mamba_num_heads"),
+        mamba_head_dim=c.int("mamba_head_dim"),
+        mamba_state_dim=c.int("ssm_state_size"),
+        mamba_groups=c.int("n_groups"),
+        mamba_conv_kernel=c.int("conv_kernel", default=4),
+        mamba_chunk_size=c.int("chunk_size", default=128),
+    )
+    if "-" in pattern:
+        fields["ffn_hidden_size"] = c.int("intermediate_size")
+    if "E" in pattern:
+        fields.update(_routed(c, "n_routed_experts", "moe_intermediate_size", True))
+        shared = c.int("n_shared_experts", default=0, minimum=0)
+        fields.update(score_function="sigmoid", router_bias=True, num_shared_experts=shared)
+        if shared:
+            fields["shared_expert_ffn_hidden_size"] = c.int("moe_shared_expert_intermediate_size")
+    return fields
+
+
 #: model_type -> mapper. Dense llama/mistral/qwen2 give ``num_experts = 1`` (upcycling sources).
 MAPPERS: dict[str, Callable[[_Config], Fields]] = {
     "mixtral": _mixtral,
@@ -286,6 +341,7 @@ MAPPERS: dict[str, Callable[[_Config], Fields]] = {
     "olmoe": _olmoe,
     "granitemoe": _granitemoe,
     "gpt_oss": _gpt_oss,
+    "nemotron_h": _nemotron_h,
     "llama": _llama,
     "mistral": _mistral,
     "qwen2": _qwen2,

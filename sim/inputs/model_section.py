@@ -16,6 +16,8 @@ from sim.inputs.yamlio import StrictModel, field_error
 _STRICT = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
 _WIDTH = 1_000_000  # upper bound on head counts, head and low-rank widths: far past any model
 _FFN = 100_000_000  # upper bound on FFN widths
+#: Megatron-Core's hybrid layer symbols (megatron/core/models/hybrid/hybrid_layer_allocation.py Symbols)
+HYBRID_KINDS = ("M", "*", "-", "E")
 
 
 class ModelConfig(StrictModel):
@@ -96,12 +98,39 @@ class ModelConfig(StrictModel):
     first_dense_layers: int = Field(
         default=0, ge=0, le=100_000, description="leading layers with a dense FFN"
     )
+    moe_latent_size: int | None = Field(
+        default=None,
+        ge=1,
+        le=_WIDTH,
+        description="LatentMoE (Megatron's moe_latent_size, Nemotron 3 Super): tokens are projected from "
+        "hidden_size down to this width after routing, dispatched and computed by the experts at it, and "
+        "projected back after the combine; None = experts at hidden_size",
+    )
     moe_layer_freq: int = Field(
         default=1, ge=1, le=100_000, description="every n-th layer (after the dense ones) is MoE"
     )
     mtp_layers: int = Field(
         default=0, ge=0, le=1000, description="multi-token-prediction modules (DeepSeek-V3)"
     )
+    mtp_repeated_layer: bool = Field(
+        default=False,
+        description="Megatron's mtp_use_repeated_layer: one MTP module's weights run mtp_layers times "
+        "(Nemotron 3 Super's recipe: mtp_num_layers 2 over the HF config's single module)",
+    )
+    hybrid_pattern: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=100_000,
+        description="Megatron-Core's hybrid_override_pattern, one character per layer, each a residual "
+        "block with its own pre-norm: M = Mamba-2 mixer, * = attention, - = dense MLP, E = MoE "
+        "(Nemotron-H, Nemotron-3); None = every layer attention + FFN",
+    )
+    mamba_num_heads: int | None = Field(default=None, ge=1, le=_WIDTH, description="Mamba-2 heads per layer")
+    mamba_head_dim: int = Field(default=64, ge=1, le=_WIDTH, description="Mamba-2 head dim (P)")
+    mamba_state_dim: int = Field(default=128, ge=1, le=_WIDTH, description="Mamba-2 state size (N)")
+    mamba_groups: int = Field(default=8, ge=1, le=_WIDTH, description="Mamba-2 B/C groups (G)")
+    mamba_conv_kernel: int = Field(default=4, ge=1, le=1024, description="Mamba-2 causal conv1d width")
+    mamba_chunk_size: int = Field(default=128, ge=1, le=1_000_000, description="SSD chunk length (Q)")
     score_function: Literal["softmax", "sigmoid"] = "softmax"
     norm_topk_prob: bool = Field(default=True, description="renormalise the top-k weights to sum to 1")
     router_bias: bool = Field(default=False, description="per-expert selection bias (DeepSeek-V3)")
@@ -148,6 +177,10 @@ class ModelConfig(StrictModel):
             raise field_error(
                 "swiglu_limit", f"swiglu_limit clamps a gated (SwiGLU) FFN; ffn_type is {self.ffn_type}"
             )
+        if self.mtp_repeated_layer and not self.mtp_layers:
+            raise field_error("mtp_repeated_layer", "mtp_repeated_layer needs MTP modules: mtp_layers >= 1")
+        if self.moe_latent_size is not None and self.num_experts <= 1:
+            raise field_error("moe_latent_size", "moe_latent_size needs routed experts: num_experts > 1")
         if self.router_logit_bias and self.num_experts <= 1:
             raise field_error("router_logit_bias", "router_logit_bias needs a router: num_experts > 1")
         if self.attention == "mla":
@@ -161,16 +194,96 @@ class ModelConfig(StrictModel):
         if self.is_moe and self.moe_ffn_hidden_size is None and self.ffn_type != "linear":
             raise field_error("moe_ffn_hidden_size", "moe_ffn_hidden_size is required when num_experts > 1")
         has_dense = self.first_dense_layers > 0 or self.moe_layer_freq > 1 or not self.is_moe
+        if self.hybrid_pattern is not None:
+            has_dense = "-" in self.hybrid_pattern
         if has_dense and self.ffn_hidden_size is None and self.ffn_type != "linear":
             raise field_error(
                 "ffn_hidden_size", "ffn_hidden_size is required: the model has dense FFN layers"
             )
+        self._check_hybrid()
         if self.first_dense_layers > self.num_layers:
             raise field_error(
                 "first_dense_layers",
                 f"first_dense_layers ({self.first_dense_layers}) exceeds num_layers ({self.num_layers})",
             )
         return self
+
+    def _check_hybrid(self) -> None:
+        pattern = self.hybrid_pattern
+        if pattern is None:
+            if self.mamba_num_heads is not None:
+                raise field_error("mamba_num_heads", "Mamba-2 layers need hybrid_pattern (M marks them)")
+            return
+        bad = sorted(set(pattern) - set(HYBRID_KINDS))
+        if bad:
+            raise field_error(
+                "hybrid_pattern", f"unknown layer symbol(s) {bad}; use M (Mamba-2), * (attention), - (MLP), E (MoE)"
+            )
+        if len(pattern) != self.num_layers:
+            raise field_error(
+                "hybrid_pattern", f"has {len(pattern)} layers, num_layers is {self.num_layers}"
+            )
+        if "M" in pattern:
+            if self.mamba_num_heads is None:
+                raise field_error("mamba_num_heads", "hybrid_pattern has Mamba-2 layers (M): set mamba_num_heads")
+            if self.mamba_num_heads % self.mamba_groups:
+                raise field_error(
+                    "mamba_groups",
+                    f"mamba_num_heads ({self.mamba_num_heads}) must be a multiple of mamba_groups ({self.mamba_groups})",
+                )
+        if ("E" in pattern) != (self.num_experts > 1):
+            raise field_error(
+                "hybrid_pattern",
+                "E (MoE) layers need num_experts > 1, and num_experts > 1 needs E layers "
+                f"(num_experts {self.num_experts}, pattern {'with' if 'E' in pattern else 'without'} E)",
+            )
+        if self.first_dense_layers or self.moe_layer_freq != 1:
+            raise field_error(
+                "hybrid_pattern", "with hybrid_pattern the pattern places MoE layers: leave first_dense_layers "
+                "and moe_layer_freq at 0 and 1",
+            )
+
+    def layer_mixer(self, layer: int) -> str | None:
+        """The token mixer of layer ``layer`` (0-based): ``attention``, ``mamba`` or None (an MLP or MoE
+        layer of a hybrid pattern). A hybrid model's MTP layer (``layer >= num_layers``) is attention + MoE
+        (Nemotron 3's ``mtp_hybrid_override_pattern`` ``*E``)."""
+        if self.hybrid_pattern is None or layer >= self.num_layers:
+            return "attention"
+        return {"M": "mamba", "*": "attention"}.get(self.hybrid_pattern[layer])
+
+    def layer_ffn(self, layer: int) -> str | None:
+        """The FFN of layer ``layer``: ``moe``, ``dense`` or None (a mixer-only layer of a hybrid pattern)."""
+        if self.hybrid_pattern is None:
+            return "moe" if self.is_moe_layer(layer) else "dense"
+        if layer >= self.num_layers:
+            return "moe"
+        return {"E": "moe", "-": "dense"}.get(self.hybrid_pattern[layer])
+
+    @property
+    def moe_token_width(self) -> int:
+        """Width of a routed token as the dispatcher moves it and the experts see it: ``moe_latent_size``
+        under LatentMoE, else ``hidden_size``."""
+        return self.moe_latent_size or self.hidden_size
+
+    @property
+    def norms_per_layer(self) -> int:
+        """Pre-norms per layer: two in a transformer layer, one in each block of a hybrid pattern."""
+        return 2 if self.hybrid_pattern is None else 1
+
+    @property
+    def mamba_d_inner(self) -> int:
+        """Mamba-2 inner width: heads x head dim."""
+        return (self.mamba_num_heads or 0) * self.mamba_head_dim
+
+    @property
+    def mamba_conv_channels(self) -> int:
+        """Channels of the causal conv1d: x, B and C (``d_inner + 2 G N``)."""
+        return self.mamba_d_inner + 2 * self.mamba_groups * self.mamba_state_dim
+
+    @property
+    def mamba_in_proj_width(self) -> int:
+        """Outputs of Megatron's ``in_proj``: z, x, B, C and dt (``2 d_inner + 2 G N + heads``)."""
+        return self.mamba_d_inner + self.mamba_conv_channels + (self.mamba_num_heads or 0)
 
     @property
     def is_moe(self) -> bool:
@@ -193,9 +306,12 @@ class ModelConfig(StrictModel):
         return None if pattern is not None and (layer + 1) % pattern == 0 else self.sliding_window
 
     def is_moe_layer(self, layer: int) -> bool:
-        """Whether layer ``layer`` (0-based) has an MoE FFN (HF's first_k_dense_replace + moe_layer_freq)."""
+        """Whether layer ``layer`` (0-based) has an MoE FFN (HF's first_k_dense_replace + moe_layer_freq, or
+        an E of ``hybrid_pattern``)."""
         if self.num_experts <= 1:
             return False
+        if self.hybrid_pattern is not None:
+            return layer >= self.num_layers or self.hybrid_pattern[layer] == "E"
         return (
             layer >= self.first_dense_layers and (layer - self.first_dense_layers) % self.moe_layer_freq == 0
         )
@@ -205,4 +321,4 @@ class ModelConfig(StrictModel):
         return sum(self.is_moe_layer(i) for i in range(self.num_layers))
 
 
-__all__ = ["ModelConfig"]
+__all__ = ["HYBRID_KINDS", "ModelConfig"]

@@ -21,6 +21,7 @@ from pydantic import Field, PrivateAttr, field_validator
 
 from sim.errors import InputError
 from sim.inputs.faults import FaultsConfig
+from sim.inputs.hybrid_checks import check_hybrid
 from sim.inputs.layout import Layout
 from sim.inputs.sections import (
     _STRICT,
@@ -166,6 +167,7 @@ class Scenario(StrictModel):
         self._check_files()
         self._check_dtype()
         self._check_recompute_modules()
+        check_hybrid(self)
         world = self.world_size
         p = self.parallelism
         model_par = p.tp * p.cp * p.pp

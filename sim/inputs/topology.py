@@ -32,6 +32,7 @@ from sim.inputs.gpu_figures import (
     DispatcherSMFigure,
     Dtype,
     GemmPoint,
+    SsdFigure,
 )
 from sim.inputs.yamlio import StrictModel, field_error, load_yaml_mapping, validate_model
 
@@ -70,6 +71,9 @@ class GpuSpec(StrictModel):
     attention: AttentionFigure | None = Field(default=None, description="measured fused-attention throughput")
     attention_shapes: AttentionShapes | None = Field(
         default=None, description="measured attention rates per shape and precision (MLA, sliding windows, FP8)"
+    )
+    ssd: SsdFigure | None = Field(
+        default=None, description="measured Mamba-2 SSD forward throughput (hybrid models' Mamba layers need it)"
     )
     deepep_GBps_per_sm: DispatcherSMFigure | None = Field(
         default=None,

@@ -88,8 +88,17 @@ def dense_ffn_gemms(m: ModelConfig) -> list[Gemm]:
 
 
 def expert_gemms(m: ModelConfig) -> list[Gemm]:
-    """One routed expert; rows = tokens routed to it."""
-    return ffn_gemms(m.hidden_size, m.moe_ffn_hidden_size, m.ffn_type, "expert.")
+    """One routed expert; rows = tokens routed to it (at ``moe_latent_size`` under LatentMoE)."""
+    return ffn_gemms(m.moe_token_width, m.moe_ffn_hidden_size, m.ffn_type, "expert.")
+
+
+def latent_gemms(m: ModelConfig) -> list[Gemm]:
+    """LatentMoE's projections (Megatron ``MoELayer.fc1_latent_proj`` / ``fc2_latent_proj``, duplicated
+    over TP): hidden -> latent before the dispatch, latent -> hidden after the combine; none without."""
+    if not m.moe_latent_size:
+        return []
+    return [Gemm("moe.fc1_latent_proj", m.moe_latent_size, m.hidden_size),
+            Gemm("moe.fc2_latent_proj", m.hidden_size, m.moe_latent_size)]  # fmt: skip
 
 
 def shared_expert_gemms(m: ModelConfig) -> list[Gemm]:
@@ -138,7 +147,7 @@ def attention_pairs(seq_len: int, window: int | None = None, causal: bool = True
 def attention_core_flops_layer(m: ModelConfig, seq_len: int, layer: int, causal: bool = True) -> int:
     """Forward FLOPs of scores (QK^T), weighted sum (PV) and sinks for one sequence in layer ``layer``
     (its window per ``ModelConfig.attention_window``)."""
-    if m.attention == "none":
+    if m.attention == "none" or m.layer_mixer(layer) != "attention":
         return 0
     if m.attention == "mla":
         d_qk = (m.qk_nope_head_dim or 0) + (m.qk_rope_head_dim or 0)
@@ -152,7 +161,7 @@ def attention_core_flops_layer(m: ModelConfig, seq_len: int, layer: int, causal:
 
 def attention_core_flops_sum(m: ModelConfig, seq_len: int, causal: bool = True) -> int:
     """Forward attention-core FLOPs of one sequence through all ``num_layers`` layers."""
-    if m.sliding_window is None:
+    if m.sliding_window is None and m.hybrid_pattern is None:
         return m.num_layers * attention_core_flops_layer(m, seq_len, 0, causal)
     return sum(attention_core_flops_layer(m, seq_len, i, causal) for i in range(m.num_layers))
 
@@ -163,6 +172,30 @@ def attention_core_flops(m: ModelConfig, seq_len: int, causal: bool = True) -> f
     total = attention_core_flops_sum(m, seq_len, causal)
     mean, rest = divmod(total, m.num_layers)
     return mean if rest == 0 else total / m.num_layers
+
+
+def mamba_gemms(m: ModelConfig) -> list[Gemm]:
+    """Projections of one Mamba-2 mixer (Megatron ``MambaMixer``): ``in_proj`` (column parallel: z, x, B,
+    C, dt) and ``out_proj`` (row parallel)."""
+    return [Gemm("mamba.in_proj", m.mamba_in_proj_width, m.hidden_size), Gemm("mamba.out_proj", m.hidden_size, m.mamba_d_inner)]
+
+
+def ssd_flops_per_token(m: ModelConfig, heads: int | None = None) -> int:
+    """Forward FLOPs per token of Mamba-2's chunked SSD (Dao & Gu 2024, sec. 6; mamba_ssm ``ssd_combined``)
+    over ``heads`` heads (default all): per chunk of Q tokens ``C B^T`` (2 Q Q N per group), the chunk
+    states ``x^T B`` (2 Q P N per head), the intra-chunk output ``(C B^T o L) x`` (2 Q Q P per head) and
+    the inter-chunk output ``C h`` (2 Q N P per head); per token divide by Q. Groups follow the heads
+    (``G h / H``) when a TP rank holds ``h`` of ``H`` heads."""
+    H = m.mamba_num_heads or 0
+    h = H if heads is None else heads
+    q, n, p = m.mamba_chunk_size, m.mamba_state_dim, m.mamba_head_dim
+    groups = max(1, m.mamba_groups * h // H) if H else 0
+    return 2 * q * n * groups + h * (2 * p * n + 2 * q * p + 2 * n * p)
+
+
+def ssd_core_flops_sum(m: ModelConfig) -> int:
+    """Forward SSD FLOPs per token through all Mamba-2 layers."""
+    return sum(ssd_flops_per_token(m) for i in range(m.num_layers) if m.layer_mixer(i) == "mamba")
 
 
 def expert_activation_passes(m: ModelConfig) -> int:
@@ -183,10 +216,10 @@ def matmul_active_params(m: ModelConfig) -> int:
 
 def forward_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
     """Forward FLOPs per token: ``2 N`` (matrix multiplies, biases/norms/sinks included as 1 FMA each,
-    a <0.1% overcount) plus the attention core of every layer (windowed or full) averaged over the
-    sequence."""
+    a <0.1% overcount) plus the attention core of every attention layer (windowed or full) averaged
+    over the sequence, plus the SSD core of every Mamba-2 layer."""
     attention = attention_core_flops_sum(m, seq_len, causal) / seq_len
-    return 2.0 * matmul_active_params(m) + attention
+    return 2.0 * matmul_active_params(m) + attention + ssd_core_flops_sum(m)
 
 
 def model_flops_per_token(m: ModelConfig, seq_len: int, causal: bool = True) -> float:
@@ -208,7 +241,9 @@ __all__ = [
     "expert_gemms",
     "ffn_gemms",
     "forward_flops_per_token",
+    "latent_gemms",
     "lm_head_gemm",
+    "mamba_gemms",
     "matmul_active_params",
     "mla_rope_bytes",
     "mla_up_gemms",
@@ -216,4 +251,6 @@ __all__ = [
     "mtp_gemms",
     "router_gemm",
     "shared_expert_gemms",
+    "ssd_core_flops_sum",
+    "ssd_flops_per_token",
 ]

@@ -154,6 +154,7 @@ def layer_activation_bytes(
     flash: bool = True,
     dropout: bool = False,
     gemm_input_bytes: float | None = None,
+    layer: int | None = None,
 ) -> int:
     """Bytes one layer keeps for backward (Korthikanti et al. 2022 sec. 4.1, generalised).
 
@@ -162,20 +163,37 @@ def layer_activation_bytes(
     MLP 19sbh, layer norms 4sbh; the 1-byte dropout masks are sbh each after attention, after the
     MLP and on the attention probabilities (as^2b). ``gemm_input_bytes``: bytes per element of the GEMM
     inputs kept for the weight gradients when they are kept quantized (FP8 training:
-    :data:`~sim.model.dtypes.SAVED_GEMM_INPUT_BYTES`), else ``act_bytes``."""
-    full = _layer_activation_bytes(m, tokens, seq_len, micro_batch, act_bytes, moe_rows, flash, dropout)
+    :data:`~sim.model.dtypes.SAVED_GEMM_INPUT_BYTES`), else ``act_bytes``. ``layer``: which layer of a
+    hybrid pattern (its mixer and FFN, :meth:`ModelConfig.layer_mixer`); None = attention + FFN."""
+    mixer, ffn = ("attention", True) if layer is None else (m.layer_mixer(layer), m.layer_ffn(layer) is not None)
+    full = _layer_activation_bytes(m, tokens, seq_len, micro_batch, act_bytes, moe_rows, flash, dropout, mixer, ffn)
     if gemm_input_bytes is None:
         return full
-    return full - int(layer_gemm_input_elements(m, tokens, moe_rows) * (act_bytes - gemm_input_bytes))
+    return full - int(layer_gemm_input_elements(m, tokens, moe_rows, mixer, ffn) * (act_bytes - gemm_input_bytes))
 
 
-def layer_gemm_input_elements(m: ModelConfig, tokens: int, moe_rows: int | None) -> int:
-    """GEMM inputs among a layer's kept activations (attention, FFN or experts and shared experts)."""
+def mamba_activation_elements(m: ModelConfig, tokens: int) -> tuple[int, int]:
+    """(kept, of which GEMM inputs) elements of one Mamba-2 mixer under Megatron's memory-efficient path
+    (mamba_ssm ``mamba_split_conv1d_scan_combined``): in_proj's input, its output (z, x, B, C, dt, from
+    which backward recomputes the conv and the SSD states), the SSD output before the gated norm and
+    out_proj's input."""
+    d_in = m.mamba_d_inner
+    gemm_in = tokens * (m.hidden_size + d_in)
+    return gemm_in + tokens * (m.mamba_in_proj_width + d_in), gemm_in
+
+
+def layer_gemm_input_elements(m: ModelConfig, tokens: int, moe_rows: int | None, mixer: str | None = "attention",
+                              ffn: bool = True) -> int:  # fmt: skip
+    """GEMM inputs among a layer's kept activations (attention or Mamba-2, FFN or experts and shared experts)."""
     d = m.hidden_size
-    out = attention_gemm_input_elements(m, tokens)
+    out = attention_gemm_input_elements(m, tokens) if mixer == "attention" else 0
+    out += mamba_activation_elements(m, tokens)[1] if mixer == "mamba" else 0
+    if not ffn:
+        return out
     if moe_rows is None:
         return out + ffn_gemm_input_elements(tokens, d, m.ffn_hidden_size or d, m.ffn_type)
-    out += ffn_gemm_input_elements(moe_rows, d, m.moe_ffn_hidden_size or d, m.ffn_type)
+    out += ffn_gemm_input_elements(moe_rows, m.moe_token_width, m.moe_ffn_hidden_size or d, m.ffn_type)
+    out += tokens * (m.moe_latent_size or 0)  # fc2_latent_proj's input (fc1's is the norm output)
     if m.num_shared_experts:
         width = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or m.moe_ffn_hidden_size or d)
         out += ffn_gemm_input_elements(tokens, d, width, m.ffn_type)
@@ -183,21 +201,26 @@ def layer_gemm_input_elements(m: ModelConfig, tokens: int, moe_rows: int | None)
 
 
 def _layer_activation_bytes(m: ModelConfig, tokens: int, seq_len: int, micro_batch: int, act_bytes: int,
-                            moe_rows: int | None, flash: bool, dropout: bool) -> int:  # fmt: skip
+                            moe_rows: int | None, flash: bool, dropout: bool, mixer: str | None = "attention",
+                            ffn: bool = True) -> int:  # fmt: skip
     d, a = m.hidden_size, m.num_attention_heads
-    norms = 2 * tokens * d * act_bytes
-    attn = attention_activation_elements(m, tokens) * act_bytes
-    if not flash:
+    norms = m.norms_per_layer * tokens * d * act_bytes
+    attn = attention_activation_elements(m, tokens) * act_bytes if mixer == "attention" else 0
+    if not flash and mixer == "attention":
         attn += 2 * a * seq_len * seq_len * micro_batch * act_bytes  # softmax output and PV input
+    attn += mamba_activation_elements(m, tokens)[0] * act_bytes if mixer == "mamba" else 0
     masks = 0
     if dropout:
         masks = 2 * tokens * d + (0 if flash else a * seq_len * seq_len * micro_batch)
+    if not ffn:
+        return norms + attn + masks
     if moe_rows is None:
         ffn = ffn_activation_elements(tokens, d, m.ffn_hidden_size or d, m.ffn_type) * act_bytes
         return norms + attn + ffn + masks
-    experts = ffn_activation_elements(moe_rows, d, m.moe_ffn_hidden_size or d, m.ffn_type) * act_bytes
+    w = m.moe_token_width  # latent under LatentMoE: the experts and the combine at it, plus fc2_latent_proj's input
+    experts = ffn_activation_elements(moe_rows, w, m.moe_ffn_hidden_size or d, m.ffn_type) * act_bytes
     router = 2 * tokens * m.num_experts * FP32_BYTES + tokens * m.top_k * FP32_BYTES
-    combine = moe_rows * d * act_bytes  # expert outputs kept to weight and sum them
+    combine = (moe_rows * w + tokens * (m.moe_latent_size or 0)) * act_bytes  # expert outputs kept to weight and sum
     shared = 0
     if m.num_shared_experts:
         width = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or m.moe_ffn_hidden_size or d)
@@ -221,7 +244,7 @@ def activation_bytes(s: Scenario) -> int:
     rows = moe_rows_per_rank(s)
     per_layer = [
         layer_activation_bytes(
-            m, tokens, t.seq_len, t.micro_batch_size, act, rows if layer_params(m, i).num_experts else None
+            m, tokens, t.seq_len, t.micro_batch_size, act, rows if layer_params(m, i).num_experts else None, layer=i
         )
         for i in range(m.num_layers)
     ]
@@ -236,7 +259,7 @@ def comm_buffer_bytes(s: Scenario, params_on_rank: int) -> int:
     """All-to-all send + receive buffers of the MoE layer in flight (``rows x d`` each) and the
     gradient-reduction bucket (``reduce_bucket_elements``, or all local gradients if fewer)."""
     m, act = s.model, BYTES_PER_ELEMENT[s.training.dtype]
-    a2a = 2 * moe_rows_per_rank(s) * m.hidden_size * act if m.num_moe_layers and s.ep > 1 else 0
+    a2a = 2 * moe_rows_per_rank(s) * m.moe_token_width * act if m.num_moe_layers and s.ep > 1 else 0
     bucket = min(s.collectives.reduce_bucket_elements, params_on_rank) * act
     return a2a + bucket
 

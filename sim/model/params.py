@@ -37,6 +37,13 @@ class LayerParams:
     shared_expert: int
     router: int
     norms: int
+    mamba: int = 0
+    latent_proj: int = 0
+
+    @property
+    def tp_sharded(self) -> int:
+        """Parameters Megatron splits over tensor parallelism: attention, dense FFN, the Mamba mixer."""
+        return self.attention + self.dense_ffn + self.mamba
 
     @property
     def expert(self) -> int:
@@ -45,7 +52,8 @@ class LayerParams:
 
     @property
     def non_expert(self) -> int:
-        return self.attention + self.dense_ffn + self.shared_expert + self.router + self.norms
+        return (self.attention + self.dense_ffn + self.mamba + self.shared_expert + self.router + self.norms
+                + self.latent_proj)  # fmt: skip
 
     @property
     def total(self) -> int:
@@ -70,6 +78,7 @@ class ParamCounts:
     dense_ffn: int
     router: int
     norms: int
+    mamba: int
     mtp: int
     mtp_expert: int
     moe_layers: int
@@ -130,24 +139,40 @@ def qk_norm_params(m: ModelConfig) -> int:
     return 0
 
 
+def mamba_params(m: ModelConfig) -> int:
+    """One Mamba-2 mixer as Megatron's ``MambaMixer`` holds it: ``in_proj`` (d -> z, x, B, C, dt), the
+    depthwise causal conv1d over x, B, C with its bias, ``dt_bias``, ``A_log`` and ``D`` per head, the
+    gated RMSNorm over ``d_inner`` and ``out_proj`` (d_inner -> d); no projection biases (Nemotron-H)."""
+    d, heads, conv = m.hidden_size, m.mamba_num_heads or 0, m.mamba_conv_channels
+    return d * m.mamba_in_proj_width + conv * (m.mamba_conv_kernel + 1) + 3 * heads + m.mamba_d_inner * (1 + d)
+
+
 def layer_params(m: ModelConfig, layer: int) -> LayerParams:
-    """Parameters of layer ``layer`` (0-based): dense or MoE per ``ModelConfig.is_moe_layer``."""
+    """Parameters of layer ``layer`` (0-based): its mixer (attention, a hybrid pattern's Mamba-2 or none)
+    and its FFN (dense, MoE per ``ModelConfig.is_moe_layer``, or none), one pre-norm per block."""
     d = m.hidden_size
-    attention, norms = attention_params(m), 2 * _norm(m) + qk_norm_params(m)
-    moe = m.is_moe_layer(layer)
+    mixer, ffn = m.layer_mixer(layer), m.layer_ffn(layer)
+    attention = attention_params(m) if mixer == "attention" else 0
+    mamba = mamba_params(m) if mixer == "mamba" else 0
+    blocks = 2 if m.hybrid_pattern is not None and layer >= m.num_layers else m.norms_per_layer  # hybrid MTP: *E
+    norms = blocks * _norm(m) + (qk_norm_params(m) if mixer == "attention" else 0)
+    if ffn is None:
+        return LayerParams(attention, 0, 0, 0, 0, 0, norms, mamba)
+    moe = ffn == "moe"
     if not moe and m.num_shared_experts and m.num_experts <= 1:
         moe = True  # shared experts only, no routing
     if not moe:
         dense = ffn_params(d, m.ffn_hidden_size, m.ffn_type, m.linear_bias)
-        return LayerParams(attention, dense, 0, 0, 0, 0, norms)
+        return LayerParams(attention, dense, 0, 0, 0, 0, norms, mamba)
     routed = m.num_experts if m.num_experts > 1 else 0
-    each = ffn_params(d, m.moe_ffn_hidden_size, m.ffn_type, m.linear_bias) if routed else 0
+    each = ffn_params(m.moe_token_width, m.moe_ffn_hidden_size, m.ffn_type, m.linear_bias) if routed else 0
+    latent = 2 * d * m.moe_latent_size if m.moe_latent_size else 0  # fc1_latent_proj, fc2_latent_proj
     shared_width = m.shared_expert_ffn_hidden_size or m.moe_ffn_hidden_size
     shared = m.num_shared_experts * ffn_params(d, shared_width, m.ffn_type, m.linear_bias)
     if m.shared_expert_gate and m.num_shared_experts:
         shared += d
     router = routed * (d + int(m.router_bias) + int(m.router_logit_bias))
-    return LayerParams(attention, 0, each, routed, shared, router, norms)
+    return LayerParams(attention, 0, each, routed, shared, router, norms, mamba, latent)
 
 
 def mtp_params(m: ModelConfig) -> tuple[int, int]:
@@ -156,9 +181,10 @@ def mtp_params(m: ModelConfig) -> tuple[int, int]:
     if not m.mtp_layers:
         return 0, 0
     d = m.hidden_size
-    block = layer_params(m, m.num_layers - 1)
+    block = layer_params(m, m.num_layers - (0 if m.hybrid_pattern is not None else 1))  # hybrid: its *E module
     per_module = 2 * _norm(m) + 2 * d * d + block.total
-    return m.mtp_layers * per_module, m.mtp_layers * block.expert
+    modules = 1 if m.mtp_repeated_layer else m.mtp_layers  # repeated: one module's weights, run mtp_layers times
+    return modules * per_module, modules * block.expert
 
 
 def count_params(model: ModelConfig) -> ParamCounts:
@@ -183,6 +209,7 @@ def count_params(model: ModelConfig) -> ParamCounts:
         dense_ffn=sum(layer.dense_ffn for layer in layers),
         router=sum(layer.router for layer in layers),
         norms=sum(layer.norms for layer in layers) + final_norm,
+        mamba=sum(layer.mamba for layer in layers),
         mtp=mtp,
         mtp_expert=mtp_expert,
         moe_layers=sum(1 for layer in layers if layer.num_experts),
@@ -203,22 +230,26 @@ def layer_tensors(m: ModelConfig, layer: int) -> tuple[int, int]:
     ``vector_norm`` each in DeepSpeed's ``get_grad_norm_direct``), so per-tensor work scales with
     this count, not with the parameters."""
     norm = 2 if m.norm_type == "layernorm" else 1
-    if m.attention == "none":
+    mixer = m.layer_mixer(layer)
+    if mixer == "mamba":  # in_proj, conv1d weight and bias, dt_bias, A_log, D, the gated norm, out_proj
+        attn = 8
+    elif m.attention == "none" or mixer is None:
         attn = 0
     elif m.attention == "mla":  # q (or q_a, q_a norm, q_b), kv_a, kv_a norm, kv_b, o
         attn = (3 if m.q_lora_rank else 1) + 4
     else:
         attn = 4 + (3 if m.attention_bias else 0) + (2 * norm if m.qk_norm in ("head", "full") else 0)
         attn += int(m.attention_out_bias)
-    attn += int(m.attention_sinks)
+    attn += int(m.attention_sinks) if mixer == "attention" else 0
     lp = layer_params(m, layer)
-    non_expert = attn + 2 * norm
+    non_expert = attn + m.norms_per_layer * norm
     if lp.dense_ffn:
         non_expert += _ffn_tensors(m.ffn_type, m.linear_bias)
     if lp.shared_expert:
         non_expert += m.num_shared_experts * _ffn_tensors(m.ffn_type, m.linear_bias) + int(bool(m.shared_expert_gate))
     if lp.router:
         non_expert += 1 + int(bool(m.router_bias)) + int(m.router_logit_bias)
+    non_expert += 2 if lp.latent_proj else 0
     return non_expert, (_ffn_tensors(m.ffn_type, m.linear_bias) if lp.num_experts else 0)
 
 
@@ -232,7 +263,7 @@ def rank_layer_params(m: ModelConfig, layer: int, tp: int, etp: int, experts_per
     (Megatron's column / row parallel linears), shared experts, router and norms whole, the rank's
     ``experts_per_rank`` experts split by ``etp``."""
     lp = layer_params(m, layer)
-    return (lp.attention + lp.dense_ffn) // tp + lp.shared_expert + lp.router + lp.norms, lp.expert_each * experts_per_rank // etp
+    return lp.tp_sharded // tp + lp.shared_expert + lp.router + lp.norms, lp.expert_each * experts_per_rank // etp
 
 
 __all__ = [
@@ -244,6 +275,7 @@ __all__ = [
     "ffn_params",
     "layer_params",
     "layer_tensors",
+    "mamba_params",
     "mtp_params",
     "outer_tensors",
     "qk_norm_params",

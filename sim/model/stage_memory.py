@@ -71,7 +71,7 @@ def in_flight(s: Scenario, rank: int) -> float:
 def _block(s: Scenario, i: int) -> tuple[int, int]:
     """(non-expert, expert) parameters per rank of layer ``i``: dense weights over tp, its rank's experts over etp."""
     lp, p = layer_params(s.model, i), s.parallelism
-    ne = (lp.attention + lp.dense_ffn) // p.tp + lp.shared_expert + lp.router + lp.norms
+    ne = lp.tp_sharded // p.tp + lp.shared_expert + lp.router + lp.norms
     return ne, ceil_div(lp.expert_each * s.experts_per_rank, p.etp)
 
 
@@ -143,7 +143,7 @@ def _checkpointed(s: Scenario, rank: int, layers: list[int]) -> set[int]:
     return {i for vs in rank_chunks(s)[rank] for i in vs.layers[:n]}
 
 
-def _not_kept(s: Scenario, tokens: int, rows: int, act: int, moe: bool) -> float:
+def _not_kept(s: Scenario, tokens: int, rows: int, act: int, layer: int) -> float:
     """Bytes of one layer's activations that selective recompute's modules drop (their outputs are
     recomputed in backward; terms of :func:`~sim.model.memory.layer_activation_bytes`): ``layernorm`` the
     two norms' outputs, ``moe_act`` the experts' activation output, ``mla_up_proj`` MLA's Q, K and V,
@@ -152,25 +152,27 @@ def _not_kept(s: Scenario, tokens: int, rows: int, act: int, moe: bool) -> float
     m, mods, d = s.model, s.training.recompute_set, s.model.hidden_size
     gin = saved_gemm_input_bytes(s.training.dtype, s.training.fp8_recipe) or act
 
-    def ffn(n: int, width: int, with_input: bool) -> float:  # an FFN's kept bytes, its fc1 input or not
-        kept = ffn_activation_elements(n, d, width, m.ffn_type) * act
-        kept -= ffn_gemm_input_elements(n, d, width, m.ffn_type) * (act - gin)
-        return kept if with_input else kept - n * d * gin
+    def ffn(n: int, width: int, with_input: bool, din: int = d) -> float:  # an FFN's kept bytes, its fc1 input or not
+        kept = ffn_activation_elements(n, din, width, m.ffn_type) * act
+        kept -= ffn_gemm_input_elements(n, din, width, m.ffn_type) * (act - gin)
+        return kept if with_input else kept - n * din * gin
 
-    out = 2 * tokens * d * act if "layernorm" in mods else 0
+    moe, ffn_kind = bool(layer_params(m, layer).num_experts), m.layer_ffn(layer)
+    out = m.norms_per_layer * tokens * d * act if "layernorm" in mods else 0
     if moe:
         width = m.moe_ffn_hidden_size or d
         shared = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or width)
         if "moe" in mods:
-            out += ffn(rows, width, True)  # dispatched rows and all after them
-            out += 2 * tokens * m.num_experts * FP32_BYTES + tokens * m.top_k * FP32_BYTES + rows * d * act
+            w, latent = m.moe_token_width, m.moe_latent_size or 0  # LatentMoE: experts and combine at the latent width
+            out += ffn(rows, width, True, w)  # dispatched rows and all after them
+            out += 2 * tokens * m.num_experts * FP32_BYTES + tokens * m.top_k * FP32_BYTES + (rows * w + tokens * latent) * act
             out += ffn(tokens, shared, False) if shared else 0
         else:
             out += rows * width * gin if "moe_act" in mods else 0  # the activation's output is fc2's input
             out += ffn(tokens, shared, False) if "shared_experts" in mods and shared else 0
-    elif "mlp" in mods:
+    elif "mlp" in mods and ffn_kind == "dense":
         out += ffn(tokens, m.ffn_hidden_size or d, False)
-    if "mla_up_proj" in mods and m.attention == "mla":
+    if "mla_up_proj" in mods and m.attention == "mla" and m.layer_mixer(layer) == "attention":
         qk = (m.qk_nope_head_dim or 0) + (m.qk_rope_head_dim or 0)
         out += tokens * m.num_attention_heads * (2 * qk + (m.v_head_dim or 0)) * act
     return out
@@ -184,7 +186,7 @@ def _activations(s: Scenario, layers: list[int], rank: int, head: bool) -> int:
     rows = s.routed_tokens_per_rank * m.top_k
     gin = saved_gemm_input_bytes(t.dtype, t.fp8_recipe)  # FP8: GEMM inputs kept quantized
     per = [layer_activation_bytes(m, tokens, t.seq_len, t.micro_batch_size, act,
-                                  rows if layer_params(m, i).num_experts else None, gemm_input_bytes=gin)
+                                  rows if layer_params(m, i).num_experts else None, gemm_input_bytes=gin, layer=i)
            for i in layers]  # fmt: skip
     logits = tokens * m.vocab_size // p.tp * FP32_BYTES if head else 0
     if not per:
@@ -195,7 +197,7 @@ def _activations(s: Scenario, layers: list[int], rank: int, head: bool) -> int:
         one = len(ck) * tokens * m.hidden_size * act + sum(kept)
         return int(one * in_flight(s, rank)) + (max(per) if ck else 0) + logits
     if t.activation_checkpointing == "selective":  # what the recompute_modules no longer keep
-        saved = [_not_kept(s, tokens, rows, act, bool(layer_params(m, i).num_experts)) for i in layers]
+        saved = [_not_kept(s, tokens, rows, act, i) for i in layers]
         per = [max(a - b, 0) for a, b in zip(per, saved, strict=True)]
     return int(sum(per) * in_flight(s, rank)) + logits
 

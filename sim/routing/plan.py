@@ -43,7 +43,7 @@ BYTES_PER_ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2, "mxfp8": 2}  # s
 def expert_param_count(scenario: Scenario) -> int:
     """Parameters of one routed expert: gated (SwiGLU) 3 d f, plain 2 d f, linear d^2, plus biases."""
     m = scenario.model
-    d, f = m.hidden_size, m.moe_ffn_hidden_size or m.hidden_size
+    d, f = m.moe_token_width, m.moe_ffn_hidden_size or m.hidden_size
     weights = {"gated": 3 * d * f, "plain": 2 * d * f, "linear": d * d}[m.ffn_type]
     biases = {"gated": 2 * f + d, "plain": f + d, "linear": d}[m.ffn_type] if m.linear_bias else 0
     return weights + biases
@@ -281,7 +281,7 @@ def route_scenario(
         cols=FeatureColumns.of(layout),
         top_k=m.top_k,
         tokens_per_rank=s_tok,
-        hidden_size=m.hidden_size,
+        hidden_size=m.moe_token_width,  # the width the dispatcher moves (latent under LatentMoE)
         bytes_per_elem=BYTES_PER_ELEMENT[scenario.training.dtype],
         num_shared_experts=m.num_shared_experts,
         expert_bytes=expert_param_count(scenario) * BYTES_PER_ELEMENT[scenario.training.dtype],

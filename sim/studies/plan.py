@@ -254,6 +254,10 @@ def run_plan(base: PlanBase, *, top: int = 10, shortlist_size: int | None = None
     found in the log), ``_log`` and ``_timing_s`` (seconds per stage) for the caller."""
     if backend not in ("local", "ray"):
         raise InputError(f"backend must be local or ray, not {backend!r}", field="--backend")
+    m = base.scenario.model  # the analytic screen prices attention + FFN layers at hidden_size only
+    if m.hybrid_pattern is not None or m.moe_latent_size is not None:
+        raise InputError("plan does not screen hybrid (Mamba-2) or LatentMoE models yet; simulate their layouts "
+                         "with moesim simulate or sweep", field="model.hybrid_pattern")  # fmt: skip
     n_short = shortlist_size or max(4 * top, 20)
     timing: dict[str, float] = {}
     clock = time.perf_counter()
