@@ -317,6 +317,13 @@ _DSV3 = dict(
     swiglu_limit=None,
     vocab_size=129280,
 )
+_NANO = dict(  # model_type nemotron_h: 23 Mamba-2, 6 attention, 23 MoE blocks
+    num_layers=52, hidden_size=2688, num_attention_heads=32, kv_heads=2, head_size=128, vocab_size=131072,
+    num_experts=128, top_k=6, moe_ffn_hidden_size=1856, num_moe_layers=23, num_shared_experts=1,
+    shared_expert_ffn_hidden_size=3712, ffn_type="plain", score_function="sigmoid", router_bias=True,
+    mamba_num_heads=64, mamba_head_dim=64, mamba_state_dim=128, mamba_groups=8, mamba_d_inner=4096,
+    mamba_in_proj_width=2 * 4096 + 2 * 8 * 128 + 64, hybrid_pattern="MEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEM*EMEMEMEM*EMEMEMEME",
+)
 PUBLISHED_FIELDS = {
     "Llama-3-8B": {**_LLAMA3, "num_layers": 32, "hidden_size": 4096, "num_attention_heads": 32, "ffn_hidden_size": 14336},
     "Llama-3-70B": {**_LLAMA3, "num_layers": 80, "hidden_size": 8192, "num_attention_heads": 64,
@@ -338,13 +345,8 @@ PUBLISHED_FIELDS = {
     "DeepSeek-V3": _DSV3,
     "Kimi-K2": {**_DSV3, **dict(num_attention_heads=64, num_experts=384, first_dense_layers=1, num_moe_layers=60,
                                 mtp_layers=0, vocab_size=163840)},  # model_type kimi_k2: DeepSeek-V3's architecture
-    "Nemotron-3-Nano-30B-A3B": dict(  # model_type nemotron_h: 23 Mamba-2, 6 attention, 23 MoE blocks
-        num_layers=52, hidden_size=2688, num_attention_heads=32, kv_heads=2, head_size=128, vocab_size=131072,
-        num_experts=128, top_k=6, moe_ffn_hidden_size=1856, num_moe_layers=23, num_shared_experts=1,
-        shared_expert_ffn_hidden_size=3712, ffn_type="plain", score_function="sigmoid", router_bias=True,
-        mamba_num_heads=64, mamba_head_dim=64, mamba_state_dim=128, mamba_groups=8, mamba_d_inner=4096,
-        mamba_in_proj_width=2 * 4096 + 2 * 8 * 128 + 64,
-    ),
+    "Nemotron-3-Nano-30B-A3B": _NANO,
+    "Nemotron-3.5-Lightning-30B-A3B": {**_NANO, "mtp_layers": 1},  # layers_block_type: Nano's pattern, + *E MTP
     "Nemotron-3-Super-120B-A12B": dict(  # 40 Mamba-2, 8 attention, 40 MoE blocks; LatentMoE at 1024; *E MTP
         num_layers=88, hidden_size=4096, num_attention_heads=32, kv_heads=2, head_size=128, vocab_size=131072,
         num_experts=512, top_k=22, moe_ffn_hidden_size=2688, moe_latent_size=1024, moe_token_width=1024,

@@ -30,7 +30,7 @@ CAT_LABEL = {"compute": "compute", "a2a": "all-to-all", "imbalance_wait": "imbal
 NAME_COLOR = {
     "embedding": "#8c564b", "attention": "#1f77b4", "route": "#17becf", "permute": "#bcbd22",
     "dispatch": "#d62728", "experts": "#ff7f0e", "combine": "#e377c2", "unpermute": "#9edae5",
-    "shared_experts": "#ffbb78", "mlp": "#aec7e8", "output": "#7f7f7f", "imbalance_wait": "#d9d9d9",
+    "shared_experts": "#ffbb78", "mlp": "#aec7e8", "mamba": "#393b79", "output": "#7f7f7f", "imbalance_wait": "#d9d9d9",
     "grad_sync_wait": "#9467bd", "grad_norm_wait": "#9467bd", "capacity_sync_wait": "#9467bd",
     "param_gather_wait": "#c5b0d5", "param_gather": "#c5b0d5",
     "optimizer": "#2ca02c", "grad_sync": "#bcbd22",
