@@ -283,10 +283,10 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
             g = bwd[k]
             bwd[k] = Grads(g.layer, g.nonexpert, g.expert, g.every_micro, flush=True)
             break
-    m = s.model
-    weight = [Kernel(m.layer_mixer(i), i) for i in vs.layers if m.layer_mixer(i)]
+    m, own = s.model, [*vs.layers, *(mtp if vs.head else [])]  # zero-bubble W passes: the MTP modules' too
+    weight = [Kernel(m.layer_mixer(i), i) for i in own if m.layer_mixer(i)]
     weight += [Kernel("experts", i, layers.moe_index[i]) if i in layers.moe_index else Kernel("mlp", i)
-               for i in vs.layers if m.layer_ffn(i)]  # fmt: skip
+               for i in own if m.layer_ffn(i)]  # fmt: skip
     bpe = BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]
     t, p = s.training, s.parallelism
     send = t.micro_batch_size * t.seq_len // p.cp // (p.tp if s.sequence_parallel else 1) * s.model.hidden_size * bpe

@@ -208,10 +208,17 @@ class Screen:
                         kern += self.cost.memory_time(fsdp_copy_in_bytes(lne + lex, t.dtype, t.grad_reduce_dtype))
                 if vs.embedding:
                     kern += 2 * self.cost.memory_time(2 * Tsp * m.hidden_size * bpe)
-                if vs.head:
+                if vs.head:  # the LM head and loss, once more per MTP module after its layer (builder)
                     hf, hb = self._gemms([lm_head_gemm(m)], T if p.tp > 1 else Tsp, p.tp, dt)
-                    kern += hf + hb + 2 * self.cost.memory_time(2 * Tsp * m.vocab_size / p.tp * 4, 2)
+                    head = hf + hb + 2 * self.cost.memory_time(2 * Tsp * m.vocab_size / p.tp * 4, 2)
+                    kern += head * (1 + m.mtp_layers)
                     ne += m.vocab_size * m.hidden_size / p.tp
+                    for i in range(m.num_layers, m.num_layers + m.mtp_layers):
+                        f, b, rc, c, a = self.layer(s, i)
+                        kern, comm, a2a = kern + f + b + rc, comm + c, a2a + a
+                        if i == m.num_layers or not m.mtp_repeated_layer:
+                            lne, lex = rank_layer_params(m, i, p.tp, p.etp, s.experts_per_rank)
+                            ne, ex = ne + lne + 2 * m.hidden_size**2, ex + lex
             if pol.layer_gathers:  # FSDP2 / ZeRO-3: every block gathered (and its gradient reduced) per micro-batch
                 gathers = 3 if pol.regather_for_backward else 2
                 comm += max(0.0, gathers * self._ring(s.dp * p.cp, ne * bpe, s.layout.stage_size)
