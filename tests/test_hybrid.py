@@ -5,6 +5,7 @@ against its source, the program's ops per block, the pricing, memory and the exi
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from conftest import ROOT, megatron_scenario, run_cli
 
@@ -161,3 +162,13 @@ def test_simulate_a_hybrid_end_to_end(tmp_path):
     assert a == simulate(load_scenario(path, ["model.ffn_hidden_size=1024"])).to_dict()  # deterministic
     r = run_cli("simulate", str(path), "--set", "training.framework=deepspeed")
     assert r.returncode == 2 and "hybrid" in r.stderr
+
+
+def test_selective_recompute_skips_mamba_blocks(tmp_path):
+    # Megatron's MambaLayer recomputes nothing: recompute_modules act on the transformer blocks only
+    s = load_scenario(scenario(tmp_path, "MEM*", activation_checkpointing="selective",
+                               recompute_modules=["layernorm", "core_attn"]))  # fmt: skip
+    pricer = Pricer(s, None, cost_model(s), [1.0] * s.world_size)
+    q = np.arange(1)
+    mamba, moe, attn = (float(pricer.selective_recompute(i, None, 0, q, 0)[0]) for i in (0, 1, 3))
+    assert mamba == 0.0 and moe > 0.0 and attn > moe  # the E block's pre-norm; the attention block's core too

@@ -295,7 +295,7 @@ class Pricer:
         one kernel: the program runs those ops again (:mod:`sim.frameworks.builder`)."""
         m, d, bpe, mods = self.m, self.m.hidden_size, self.bpe, self.s.training.recompute_set
         secs = np.zeros(len(q))
-        if "layernorm" in mods:
+        if "layernorm" in mods and m.layer_mixer(layer) != "mamba":  # MambaLayer recomputes nothing (mamba_layer.py)
             secs += m.norms_per_layer * self._mem(2 * self.T_sp * d * bpe)
         # fused grouped MLP: its GLU-backward kernel recomputes the activation (experts.py activation_recompute_in_mlp)
         if "moe_act" in mods and moe is not None and self.plan is not None and not self.fused_mlp:

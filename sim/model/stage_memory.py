@@ -158,7 +158,7 @@ def _not_kept(s: Scenario, tokens: int, rows: int, act: int, layer: int) -> floa
         return kept if with_input else kept - n * din * gin
 
     moe, ffn_kind = bool(layer_params(m, layer).num_experts), m.layer_ffn(layer)
-    out = m.norms_per_layer * tokens * d * act if "layernorm" in mods else 0
+    out = m.norms_per_layer * tokens * d * act if "layernorm" in mods and m.layer_mixer(layer) != "mamba" else 0
     if moe:
         width = m.moe_ffn_hidden_size or d
         shared = m.num_shared_experts * (m.shared_expert_ffn_hidden_size or width)
