@@ -144,15 +144,17 @@ class Pricer:
         return nbytes / self.cost.hbm_Bps + kernels * self.cost.launch_s if nbytes > 0 else 0.0
 
     def _gemm(self, g: Gemm, rows: np.ndarray | float, quant_input: bool = True,
-              quant_grad: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+              quant_grad: bool = True, bf16: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
         """(fwd, dgrad, wgrad, FLOPs) of ``g`` on ``rows`` (array or scalar), cast costs included: the
         quantization of its input activation (``quant_input``) and of its output gradient (``quant_grad``)
-        unless the kernel before it writes them quantized (the fused grouped MLP's epilogues)."""
+        unless the kernel before it writes them quantized (the fused grouped MLP's epilogues). ``bf16``: a
+        layer outside TE's FP8 autocast (Megatron's own ColumnParallelLinear LM head), BF16 and no casts."""
         r = np.atleast_1d(np.asarray(rows, dtype=np.float64))
-        fwd, bwd = self.cost.gemm_train_times(r, g.n, g.k, self.dt, self.rate_scale)
-        dgrad = self.cost.gemm_times(r, g.k, g.n, self.dt, self.rate_scale)
+        dt, scale = ("bf16", 1.0) if bf16 else (self.dt, self.rate_scale)
+        fwd, bwd = self.cost.gemm_train_times(r, g.n, g.k, dt, scale)
+        dgrad = self.cost.gemm_times(r, g.k, g.n, dt, scale)
         wgrad = bwd - dgrad
-        if self.recipe is not None:  # TE quantizes the activation (forward) and the output gradient (backward);
+        if self.recipe is not None and not bf16:  # TE quantizes the activation (forward) and the output gradient (backward);
             per = QUANT_BYTES_PER_ELEMENT[self.recipe] / self.cost.hbm_Bps  # wgrad reuses their column copies
             launches = QUANT_KERNELS[self.recipe] * self.cost.launch_s
             used = r > 0
@@ -161,10 +163,10 @@ class Pricer:
             dgrad = dgrad + np.where(used, (r * g.n * per + launches) * quant_grad, 0.0)
         return fwd, dgrad, wgrad, 2.0 * r * g.n * g.k
 
-    def _gemms(self, gemms: list[Gemm], rows, split: int) -> tuple[float | np.ndarray, ...]:
+    def _gemms(self, gemms: list[Gemm], rows, split: int, bf16: bool = False) -> tuple[float | np.ndarray, ...]:
         f = d = w = fl = 0.0
         for g in gemms:
-            a, b, c, x = self._gemm(tp_split(g, split), rows)
+            a, b, c, x = self._gemm(tp_split(g, split), rows, bf16=bf16)
             f, d, w, fl = f + a, d + b, w + c, fl + x
         return f, d, w, fl
 
@@ -203,7 +205,8 @@ class Pricer:
             out = (float(f[0]) + norm + tf, float(dg[0]) + 2 * norm + tb, float(wg[0]), float(fl[0]))
         elif name == "output":
             rows = T if tp > 1 else Tsp  # the head gathers the sequence: every token, vocab / tp logits each
-            f, dg, wg, fl = self._gemms([lm_head_gemm(m)], rows, tp)
+            # Megatron's head is its own ColumnParallelLinear, outside TE's FP8 autocast, unless fp8_output_proj
+            f, dg, wg, fl = self._gemms([lm_head_gemm(m)], rows, tp, bf16=self.fp8 and not self.s.training.fp8_output_proj)
             logits = rows * m.vocab_size / tp
             if self.s.training.cross_entropy_fusion:
                 ce_f = ce_b = self._mem(logits * FUSED_CE_BYTES, kernels=2)

@@ -259,6 +259,9 @@ class Scenario(StrictModel):
                 field="training.fp8_attention",
             )
 
+        if self.training.fp8_output_proj and dtype != "mxfp8":  # Megatron's TransformerConfig raises the same
+            raise InputError(f"fp8_output_proj runs the LM head under MXFP8: training.dtype is {dtype!r} (needs mxfp8)",
+                             field="training.fp8_output_proj")  # fmt: skip
         if self.training.optimizer == "muon" and self.training.offload_optimizer != "none":
             raise InputError(
                 "optimizer muon (Megatron-Core's LayerWiseDistributedOptimizer) keeps its states on the GPU: "

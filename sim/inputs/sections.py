@@ -18,8 +18,6 @@ from sim.inputs.stages import parse_layout
 from sim.inputs.yamlio import StrictModel, field_error
 
 _STRICT = ConfigDict(extra="forbid", validate_assignment=False, allow_inf_nan=False)
-_WIDTH = 1_000_000  # upper bound on head counts, head and low-rank widths: far past any model
-_FFN = 100_000_000  # upper bound on FFN widths
 
 POLICIES = ("topk", "node_limited", "device_limited")
 #: Megatron-Core's ``recompute_modules`` (transformer_config.py) this simulator prices; ``selective``
@@ -204,6 +202,8 @@ class TrainingConfig(StrictModel):
         "cutedsl_fused_grouped_mlp): the experts' GLU and its MXFP8 casts in the grouped GEMMs' epilogues (mxfp8)")  # fmt: skip
     fp8_attention: bool = Field(default=False, description="the attention core in FP8 / MXFP8 (Megatron's "
         "fp8_dot_product_attention, cuDNN): at the GPU's measured attention_shapes rates (dtype fp8 or mxfp8)")  # fmt: skip
+    fp8_output_proj: bool = Field(default=False, description="the LM head in MXFP8 (Megatron's fp8_output_proj, a TE "
+        "linear); without it the head is Megatron's own ColumnParallelLinear in BF16 under every precision")  # fmt: skip
     optimizer: Literal["adam", "sgd", "muon"] = Field(default="adam", description="adam, sgd, or muon (megatron: "
         "Megatron-Core's dist_muon, layer-wise over dp; Newton-Schulz on the weight matrices)")  # fmt: skip
     offload_optimizer: Literal["none", "cpu"] = "none"

@@ -209,7 +209,9 @@ class Screen:
                 if vs.embedding:
                     kern += 2 * self.cost.memory_time(2 * Tsp * m.hidden_size * bpe)
                 if vs.head:  # the LM head and loss, once more per MTP module after its layer (builder)
-                    hf, hb = self._gemms([lm_head_gemm(m)], T if p.tp > 1 else Tsp, p.tp, dt)
+                    fp8_head = t.fp8_output_proj or t.dtype not in ("fp8", "mxfp8")  # Megatron's head is BF16 under FP8
+                    head_dt = dt if fp8_head else "bf16"
+                    hf, hb = self._gemms([lm_head_gemm(m)], T if p.tp > 1 else Tsp, p.tp, head_dt)
                     head = hf + hb + 2 * self.cost.memory_time(2 * Tsp * m.vocab_size / p.tp * 4, 2)
                     kern += head * (1 + m.mtp_layers)
                     ne += m.vocab_size * m.hidden_size / p.tp
