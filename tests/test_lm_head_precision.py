@@ -1,6 +1,7 @@
-"""The LM head's precision: Megatron-Core's output layer is its own ColumnParallelLinear, outside
-TransformerEngine's FP8 autocast, so it runs in BF16 under every FP8 recipe unless ``fp8_output_proj``
-(MXFP8 only) makes it a TE linear (megatron/core/models/gpt/gpt_model.py, transformer_config.py)."""
+"""GEMMs outside TransformerEngine's FP8 autocast: Megatron-Core's output layer is its own
+ColumnParallelLinear, so it runs in BF16 under every FP8 recipe unless ``fp8_output_proj`` (MXFP8 only)
+makes it a TE linear (megatron/core/models/gpt/gpt_model.py, transformer_config.py); the router is
+``router_gating_linear`` (moe/moe_utils.py), a plain GEMM on BF16 operands."""
 
 from __future__ import annotations
 
@@ -15,10 +16,10 @@ from sim.frameworks.pricing import Pricer
 QWEN = ROOT / "validation" / "published" / "models" / "Qwen3-30B-A3B" / "config.json"
 
 
-def head(tmp_path, **training) -> tuple[float, float, float]:
+def head(tmp_path, block: str = "output", **training) -> tuple[float, float, float]:
     path = megatron_scenario(tmp_path, {"hf_config": str(QWEN), "num_layers": 2}, "dgx-b200", **training)
     s = load_scenario(path)
-    return Pricer(s, None, cost_model(s), [1.0] * s.world_size)._static("output", s.model.num_layers)[:3]
+    return Pricer(s, None, cost_model(s), [1.0] * s.world_size)._static(block, s.model.num_layers)[:3]
 
 
 def test_the_head_is_bf16_under_fp8_unless_fp8_output_proj(tmp_path):
@@ -35,3 +36,8 @@ def test_fp8_output_proj_needs_mxfp8(tmp_path):
     with pytest.raises(InputError) as e:
         load_scenario(path)
     assert e.value.field == "training.fp8_output_proj"
+
+
+def test_the_router_is_never_fp8(tmp_path):
+    assert head(tmp_path, "route", dtype="mxfp8") == head(tmp_path, "route", dtype="bf16")
+    assert head(tmp_path, "route", dtype="fp8", fp8_recipe="current") == head(tmp_path, "route", dtype="bf16")

@@ -196,7 +196,10 @@ class Pricer:
             f, dg, wg, fl = self._gemms(shared_expert_gemms(m), Tsp, 1)
             out = (float(f[0]), float(dg[0]), float(wg[0]), float(fl[0])) if shared_expert_gemms(m) else (0.0,) * 4
         elif name == "route":  # the router, and LatentMoE's projections down and back up (duplicated over TP)
-            f, dg, wg, fl = self._gemms([router_gemm(m), *latent_gemms(m)], Tsp, 1)
+            # Megatron's router_gating_linear (moe_utils.py) is a plain GEMM on BF16 operands, never FP8
+            f, dg, wg, fl = self._gemms([router_gemm(m)], Tsp, 1, bf16=self.fp8)
+            lf, ldg, lwg, lfl = self._gemms(latent_gemms(m), Tsp, 1)  # TE linears: under the FP8 autocast
+            f, dg, wg, fl = f + lf, dg + ldg, wg + lwg, fl + lfl
             r = self.s.routing
             drop = not (r.dispatch == "dropless" or r.capacity_factor is None)
             of, bf, ob, bb = dispatcher_work("gate", Tsp, d, m.num_experts, m.top_k, 0.0, drop, bpe)

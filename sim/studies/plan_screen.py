@@ -146,7 +146,7 @@ class Screen:
         comm = tp_comm + self._ring(p.cp, T * 2 * m.kv_heads * m.head_size / tp * bpe * p.cp, tp * p.cp)
         a2a = 0.0
         if moe:
-            rf, rb = self._gemms([router_gemm(m)], Tsp, 1, dt)
+            rf, rb = self._gemms([router_gemm(m)], Tsp, 1, "bf16" if t.dtype in ("fp8", "mxfp8") else dt)  # never FP8
             copies = Tsp * m.top_k
             perm = float(self.cost.dispatcher_time(2 * copies * d * bpe, 1))
             rows = s.ep * p.etp * Tsp * m.top_k / m.num_experts
