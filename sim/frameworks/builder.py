@@ -174,13 +174,8 @@ def _params(s: Scenario) -> tuple[dict[int, tuple[int, int]], int, int]:
     """Per layer (non-expert, expert) parameters per rank; embedding and head parameters per rank."""
     m, p = s.model, s.parallelism
     out = {}
-    for i in range(m.num_layers + m.mtp_layers):  # MTP modules: their layer and eh_proj (2d x d) + two norms
+    for i in range(m.num_layers + m.mtp_layers):  # MTP modules: their layer, eh_proj and norms
         out[i] = rank_layer_params(m, i, p.tp, p.etp, s.experts_per_rank)
-        if i >= m.num_layers:
-            ne, ex = out[i]
-            out[i] = (ne + 2 * m.hidden_size * m.hidden_size + 2 * m.hidden_size, ex)
-        if i > m.num_layers and m.mtp_repeated_layer:  # mtp_use_repeated_layer: the first module's weights again
-            out[i] = (0, 0)
     counts = count_params(m)
     final_norm = counts.norms - sum(layer_params(m, i).norms for i in range(m.num_layers))
     output = 0 if m.tie_word_embeddings else m.vocab_size * m.hidden_size  # counts.embedding holds both tables
@@ -215,9 +210,10 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
     every = pol.grads_every_micro
     fwd: list = []
     bwd: list = []
-    mtp_layers = range(s.model.num_layers, s.model.num_layers + s.model.mtp_layers) if vs.head else range(0)
-    ne_total = sum(params[i][0] for i in [*vs.layers, *mtp_layers]) + (emb if vs.embedding else 0) + (head if vs.head else 0)
-    ex_total = sum(params[i][1] for i in [*vs.layers, *mtp_layers])
+    n, mtp = s.model.num_layers, range(s.model.num_layers, s.model.num_layers + s.model.mtp_layers)
+    own = [*vs.layers, *(mtp if vs.head else [])]  # the chunk's layers and, on the last, the MTP modules'
+    ne_total = sum(params[i][0] for i in own) + (emb if vs.embedding else 0) + (head if vs.head else 0)
+    ex_total = sum(params[i][1] for i in own)
     outer_f = (emb if vs.embedding else 0) + (head if vs.head else 0)  # gathered with the first layer
     units = _step_units(vs, params, outer_f)
     if pol.step_gather:
@@ -244,7 +240,6 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
             if not (j == 0 and waited_first):
                 fwd.append(WaitParams(f"f{i}"))
         fwd += layers.forward(i)
-    n, mtp = s.model.num_layers, range(s.model.num_layers, s.model.num_layers + s.model.mtp_layers)
     if vs.head:
         # MTP modules (Megatron's MultiTokenPredictionBlock): per module eh_proj over the normed hidden state
         # and the shifted embedding, then one layer (the model's layer shape: MLA + MoE for DeepSeek-V3, *E
@@ -283,7 +278,7 @@ def _chunk(s: Scenario, vs: VirtualStage, layers: _Layers, pol: Policy, params, 
             g = bwd[k]
             bwd[k] = Grads(g.layer, g.nonexpert, g.expert, g.every_micro, flush=True)
             break
-    m, own = s.model, [*vs.layers, *(mtp if vs.head else [])]  # zero-bubble W passes: the MTP modules' too
+    m = s.model  # zero-bubble W passes: the MTP modules' too
     weight = [Kernel(m.layer_mixer(i), i) for i in own if m.layer_mixer(i)]
     weight += [Kernel("experts", i, layers.moe_index[i]) if i in layers.moe_index else Kernel("mlp", i)
                for i in own if m.layer_ffn(i)]  # fmt: skip

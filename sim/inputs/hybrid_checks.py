@@ -16,16 +16,11 @@ def check_hybrid(s: Scenario) -> None:
     """Mamba-2 layers are priced for Megatron-Core's and FSDP2's programs, on a GPU with an ``ssd`` figure,
     with their heads and groups split by tp and without context parallelism or Muon."""
     m, p, t = s.model, s.parallelism, s.training
-    if m.moe_latent_size is not None and t.framework == "deepspeed":
-        raise InputError("LatentMoE (model.moe_latent_size) is Megatron-Core's: framework megatron or fsdp2, not "
-                         "deepspeed", field="training.framework")  # fmt: skip
+    if (m.hybrid_pattern is not None or m.moe_latent_size is not None) and t.framework == "deepspeed":
+        raise InputError("a hybrid (model.hybrid_pattern) or LatentMoE (model.moe_latent_size) model is built for "
+                         "framework megatron or fsdp2, not deepspeed", field="training.framework")  # fmt: skip
     if m.hybrid_pattern is None:
         return
-    if t.framework == "deepspeed":
-        raise InputError(
-            "a hybrid model (model.hybrid_pattern) is built for framework megatron or fsdp2, not deepspeed",
-            field="training.framework",
-        )
     if t.optimizer == "muon":
         raise InputError("optimizer muon is not modelled for a hybrid model's Mamba-2 matrices", field="training.optimizer")
     if "M" not in m.hybrid_pattern:

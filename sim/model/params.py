@@ -175,14 +175,18 @@ def layer_params(m: ModelConfig, layer: int) -> LayerParams:
     return LayerParams(attention, 0, each, routed, shared, router, norms, mamba, latent)
 
 
+def mtp_head_params(m: ModelConfig) -> int:
+    """An MTP module's parameters besides its layer: ``enorm``, ``hnorm`` and ``eh_proj`` (2d -> d)."""
+    return 2 * _norm(m) + 2 * m.hidden_size * m.hidden_size
+
+
 def mtp_params(m: ModelConfig) -> tuple[int, int]:
     """(parameters, of which routed experts) of the MTP modules: per module ``enorm``, ``hnorm``,
     ``eh_proj`` (2d -> d) and one transformer layer like the main model's last (MoE) layer."""
     if not m.mtp_layers:
         return 0, 0
-    d = m.hidden_size
     block = layer_params(m, m.num_layers - (0 if m.hybrid_pattern is not None else 1))  # hybrid: its *E module
-    per_module = 2 * _norm(m) + 2 * d * d + block.total
+    per_module = mtp_head_params(m) + block.total
     modules = 1 if m.mtp_repeated_layer else m.mtp_layers  # repeated: one module's weights, run mtp_layers times
     return modules * per_module, modules * block.expert
 
@@ -261,9 +265,13 @@ def outer_tensors(m: ModelConfig) -> int:
 def rank_layer_params(m: ModelConfig, layer: int, tp: int, etp: int, experts_per_rank: int) -> tuple[int, int]:
     """(non-expert, expert) parameters of ``layer`` on one rank: attention and dense FFN split by ``tp``
     (Megatron's column / row parallel linears), shared experts, router and norms whole, the rank's
-    ``experts_per_rank`` experts split by ``etp``."""
+    ``experts_per_rank`` experts split by ``etp``. An MTP module (``layer >= num_layers``) adds its eh_proj
+    and norms, whole; with ``mtp_repeated_layer`` only the first module holds weights."""
+    if layer > m.num_layers and m.mtp_repeated_layer:
+        return 0, 0
     lp = layer_params(m, layer)
-    return lp.tp_sharded // tp + lp.shared_expert + lp.router + lp.norms, lp.expert_each * experts_per_rank // etp
+    head = mtp_head_params(m) if layer >= m.num_layers else 0
+    return lp.tp_sharded // tp + lp.shared_expert + lp.router + lp.norms + head, lp.expert_each * experts_per_rank // etp
 
 
 __all__ = [
@@ -276,6 +284,7 @@ __all__ = [
     "layer_params",
     "layer_tensors",
     "mamba_params",
+    "mtp_head_params",
     "mtp_params",
     "outer_tensors",
     "qk_norm_params",

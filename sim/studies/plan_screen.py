@@ -218,9 +218,8 @@ class Screen:
                     for i in range(m.num_layers, m.num_layers + m.mtp_layers):
                         f, b, rc, c, a = self.layer(s, i)
                         kern, comm, a2a = kern + f + b + rc, comm + c, a2a + a
-                        if i == m.num_layers or not m.mtp_repeated_layer:
-                            lne, lex = rank_layer_params(m, i, p.tp, p.etp, s.experts_per_rank)
-                            ne, ex = ne + lne + 2 * m.hidden_size**2, ex + lex
+                        lne, lex = rank_layer_params(m, i, p.tp, p.etp, s.experts_per_rank)
+                        ne, ex = ne + lne, ex + lex
             if pol.layer_gathers:  # FSDP2 / ZeRO-3: every block gathered (and its gradient reduced) per micro-batch
                 gathers = 3 if pol.regather_for_backward else 2
                 comm += max(0.0, gathers * self._ring(s.dp * p.cp, ne * bpe, s.layout.stage_size)
