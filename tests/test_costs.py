@@ -45,7 +45,7 @@ def residual_table(gpus) -> str:
     for gpu in gpus.values():
         for r in gemm_fit_report(gpu):
             lines.append(
-                f"| {gpu.kind} | {r['dtype']} | {r['M']} | {r['N']} | {r['K']} | {r['TFLOPs']:g} | "
+                f"| {gpu.kind} | {r['dtype']}{' grouped' if r['grouped'] else ''} | {r['M']} | {r['N']} | {r['K']} | {r['TFLOPs']:g} | "
                 f"{r['model_TFLOPs']:.1f} | {r['log_ratio']:+.2f} | {r['kernel']} |"
             )
     return "\n".join(lines)
@@ -60,16 +60,18 @@ def summary_table(gpus) -> str:
     ]
     for gpu in gpus.values():
         report = gemm_fit_report(gpu)
-        for dtype in ("bf16", "fp8", "mxfp8"):
-            if dtype not in gpu.peak_TFLOPs:
+        for dtype, grouped in (("bf16", False), ("fp8", False), ("mxfp8", False), ("mxfp8", True)):
+            if dtype not in gpu.peak_TFLOPs or (grouped and not gemm_fit.has_grouped_points(gpu, dtype)):
                 continue
-            frac, mh, nh, kh, p = gpu_curve_params(gpu, dtype)
-            own = np.array([r["log_ratio"] for r in report if r["dtype"] == dtype])
-            fitted = len(gemm_fit.fit_points(gpu, dtype))
+            if not grouped and dtype in (gpu.gemm_rate_over_fp8 or {}):
+                continue  # a block-scaled format priced as the FP8 curve x its measured ratio
+            frac, mh, nh, kh, p = gpu_curve_params(gpu, dtype, grouped)
+            own = np.array([r["log_ratio"] for r in report if r["dtype"] == dtype and r["grouped"] == grouped])
+            fitted = len(gemm_fit.fit_points(gpu, dtype, grouped))
             rms = f"{math.sqrt(float(np.mean(own**2))):.3f}" if len(own) else "-"
             worst = f"{float(np.abs(own).max()):.3f}" if len(own) else "-"
             lines.append(
-                f"| {gpu.kind} | {dtype} | {frac:g} | {mh:g} | {nh:g} | {kh:g} | {p:g} | "
+                f"| {gpu.kind} | {dtype}{' grouped' if grouped else ''} | {frac:g} | {mh:g} | {nh:g} | {kh:g} | {p:g} | "
                 f"{frac * gpu.peak_TFLOPs[dtype]:.0f} | {fitted} ({len(own)}) | {rms} | {worst} |"
             )
     return "\n".join(lines)

@@ -49,7 +49,7 @@ def test_gpu_figures_carry_units_and_sources():
             if m is None:
                 continue
             key, _, comment = m.groups()
-            assert key in UNIT_NAMES or key in ("fp8", "mxfp8", "bf16", "fp16", "tf32", "fp32"), (name, line)
+            assert key in UNIT_NAMES or key in ("nvfp4", "fp8", "mxfp8", "bf16", "fp16", "tf32", "fp32"), (name, line)
             if key in UNIT_NAMES - {"fwd_TFLOPs", "bwd_TFLOPs", "head_dim", "state_dim"}:
                 assert comment, f"{name}: '{line.strip()}' needs a comment naming its source"
         gpu = load_gpu(name)
@@ -125,7 +125,9 @@ def test_blackwell_ultra_kinds():
     curves borrowed (GB300 -> B300 -> B200); GB300's attention is GB200's scaled by the measured cuDNN ratio."""
     b200, gb200, b300, gb300 = (load_gpu(n) for n in ("b200-sxm", "gb200", "b300-sxm", "gb300"))
     for ultra, base in ((b300, b200), (gb300, gb200)):
-        assert ultra.peak_TFLOPs == base.peak_TFLOPs
+        assert {k: v for k, v in ultra.peak_TFLOPs.items() if k != "nvfp4"} == {
+            k: v for k, v in base.peak_TFLOPs.items() if k != "nvfp4"}  # fmt: skip
+        assert ultra.peak_TFLOPs["nvfp4"] / base.peak_TFLOPs["nvfp4"] == pytest.approx(1.5, abs=0.06)  # 14 / 9, 15 / 10
         assert (ultra.hbm_bw_GBps, ultra.sm_count) == (8000, 148)
     assert (b300.kind, b300.hbm_GiB, gb300.kind, gb300.hbm_GiB) == ("B300-SXM", 268.6, "GB300", 277.5)
     # nvidia-smi's memory.total in MiB, as GiB

@@ -26,7 +26,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--global-batch", type=int, metavar="B",
                         help="sequences per step (default: the scenario's, else 1024)")  # fmt: skip
     parser.add_argument("--seq", type=int, metavar="S", help="tokens per sequence (default: the scenario's, else 4096)")
-    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8", "mxfp8"),
+    parser.add_argument("--dtype", choices=("bf16", "fp16", "fp32", "fp8", "mxfp8", "nvfp4"),
                         help="training precision (default: the scenario's, else bf16)")  # fmt: skip
     parser.add_argument("--framework", type=_list, metavar="F[,F...]",
                         help="framework(s) to search: megatron, deepspeed, fsdp2 (default: the scenario's, else megatron)")  # fmt: skip

@@ -22,6 +22,7 @@ from sim.hardware.costs import CostModel
 from sim.hardware.faults import cluster_for
 from sim.inputs.calibration import load_calibration
 from sim.inputs.scenario import Scenario
+from sim.model.dtypes import is_quantized
 from sim.model.flops import model_flops_per_token
 from sim.model.memory import memory_per_gpu
 from sim.model.params import count_params
@@ -137,7 +138,7 @@ def uses_lane_engine(s: Scenario, fidelity: str, comm_model: str = "auto") -> bo
     if s.topology.gpu.is_cpu_host and p.tp == p.cp == p.pp == 1:  # CPU ranks' host effects: per-rank engine
         return False
     plain = (p.tp == p.cp == p.pp == p.etp == 1 and s.training.framework == "deepspeed"
-             and s.training.dtype not in ("fp8", "mxfp8") and s.collectives.all_to_all in ("direct", "hierarchical")
+             and not is_quantized(s.training.dtype) and s.collectives.all_to_all in ("direct", "hierarchical")
              and not s.collectives.a2a_overlap and s.training.recompute_num_layers is None)  # fmt: skip
     if comm_model == "flow":
         if not plain:
@@ -232,7 +233,7 @@ def _by_kind(link_bytes: np.ndarray, s: Scenario) -> dict[str, float]:
 def _memory(s: Scenario) -> dict[str, Any]:
     """The ``memory`` record: per stage for layouts (sim.model.stage_memory), else ZeRO's per GPU."""
     p, t = s.parallelism, s.training
-    if p.tp == p.cp == p.pp == p.etp == 1 and t.framework == "deepspeed" and t.dtype not in ("fp8", "mxfp8"):
+    if p.tp == p.cp == p.pp == p.etp == 1 and t.framework == "deepspeed" and not is_quantized(t.dtype):
         rec = memory_per_gpu(s).as_dict()
         rec["per_stage"] = [{"stage": 0, "peak_GiB_per_gpu": rec["peak_GiB_per_gpu"], "fits": rec["fits"],
                              "in_flight_micro_batches": 1.0}]  # fmt: skip

@@ -26,7 +26,8 @@ import numpy as np
 
 from sim.frameworks.dispatcher import dispatcher_work
 from sim.frameworks.kernels import ATTENTION_BWD_FACTOR, FUSED_CE_BYTES
-from sim.hardware.costs import CostModel
+from sim.frameworks.precision import gemm_precision
+from sim.hardware.costs import GROUPED, CostModel
 from sim.inputs.scenario import Scenario
 from sim.model.dtypes import (
     BYTES_PER_ELEMENT,
@@ -35,6 +36,7 @@ from sim.model.dtypes import (
     fp8_recipe,
     fsdp_copy_in_bytes,
     gemm_dtype,
+    is_quantized,
     storage_dtype,
 )
 from sim.model.flops import (
@@ -119,8 +121,11 @@ class Pricer:
         self.sp = s.sequence_parallel
         self.dt = gemm_dtype(t.dtype)
         self.bpe = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
-        self.fp8 = t.dtype in ("fp8", "mxfp8")
+        self.fp8 = is_quantized(t.dtype)  # any quantized recipe (FP8, MXFP8, NVFP4)
         self.recipe = fp8_recipe(t.dtype, t.fp8_recipe)
+        self.dtype = t.dtype  # the training precision; gemm_precision moves single GEMMs off it
+        self.moved = t.gemm_precision.active
+        self.grouped = t.framework != "deepspeed"  # DeepSpeed's experts are a loop of nn.Linear (dense GEMMs)
         self.fused_mlp = t.cutedsl_fused_grouped_mlp
         #: block-scaled FP8 GEMMs: slower kernels on Hopper, MXFP8 ones where the GPU has MX tensor cores
         gpu = cost.gpu
@@ -143,37 +148,46 @@ class Pricer:
     def _mem(self, nbytes: float, kernels: int = 1) -> float:
         return nbytes / self.cost.hbm_Bps + kernels * self.cost.launch_s if nbytes > 0 else 0.0
 
-    def _gemm(self, g: Gemm, rows: np.ndarray | float, quant_input: bool = True,
-              quant_grad: bool = True, bf16: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    def _gemm(self, g: Gemm, rows: np.ndarray | float, quant_input: bool = True, quant_grad: bool = True, bf16: bool = False,
+              layer: int | None = None, grouped: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
         """(fwd, dgrad, wgrad, FLOPs) of ``g`` on ``rows`` (array or scalar), cast costs included: the
         quantization of its input activation (``quant_input``) and of its output gradient (``quant_grad``)
         unless the kernel before it writes them quantized (the fused grouped MLP's epilogues). ``bf16``: a
-        layer outside TE's FP8 autocast (Megatron's own ColumnParallelLinear LM head), BF16 and no casts."""
+        layer outside TE's FP8 autocast (Megatron's own ColumnParallelLinear LM head), BF16 and no casts.
+        ``layer``: the GEMM's layer, whose ``training.gemm_precision`` may move it to another precision.
+        ``grouped``: routed experts' GEMMs as one grouped GEMM (Megatron's GroupedLinear, FSDP2's grouped_mm),
+        at the GPU's grouped-GEMM curve of the precision where it measured one."""
         r = np.atleast_1d(np.asarray(rows, dtype=np.float64))
-        dt, scale = ("bf16", 1.0) if bf16 else (self.dt, self.rate_scale)
-        fwd, bwd = self.cost.gemm_train_times(r, g.n, g.k, dt, scale)
-        dgrad = self.cost.gemm_times(r, g.k, g.n, dt, scale)
+        dt, scale, recipe = ("bf16", 1.0, None) if bf16 else (self.dt, self.rate_scale, self.recipe)
+        if not bf16 and layer is not None and self.moved:
+            own = gemm_precision(self.m, self.s.training.gemm_precision, self.dtype, g.name, layer)
+            if own != self.dtype:  # the recipe of that precision (fp8: the scenario's fp8_recipe), at its own rate
+                dt, scale, recipe = own, 1.0, fp8_recipe(own, self.s.training.fp8_recipe)
+        key = dt + GROUPED if grouped and self.grouped else dt
+        fwd, bwd = self.cost.gemm_train_times(r, g.n, g.k, key, scale)
+        dgrad = self.cost.gemm_times(r, g.k, g.n, key, scale)
         wgrad = bwd - dgrad
-        if self.recipe is not None and not bf16:  # TE quantizes the activation (forward) and the output gradient (backward);
-            per = QUANT_BYTES_PER_ELEMENT[self.recipe] / self.cost.hbm_Bps  # wgrad reuses their column copies
-            launches = QUANT_KERNELS[self.recipe] * self.cost.launch_s
+        if recipe is not None:  # TE quantizes the activation (forward) and the output gradient (backward);
+            per = QUANT_BYTES_PER_ELEMENT[recipe] / self.cost.hbm_Bps  # wgrad reuses their column copies
+            launches = QUANT_KERNELS[recipe] * self.cost.launch_s
             used = r > 0
             weight = (g.n * g.k * per + launches) * self.weight_share
             fwd = fwd + np.where(used, (r * g.k * per + launches) * quant_input + weight, 0.0)
             dgrad = dgrad + np.where(used, (r * g.n * per + launches) * quant_grad, 0.0)
         return fwd, dgrad, wgrad, 2.0 * r * g.n * g.k
 
-    def _gemms(self, gemms: list[Gemm], rows, split: int, bf16: bool = False) -> tuple[float | np.ndarray, ...]:
+    def _gemms(self, gemms: list[Gemm], rows, split: int, bf16: bool = False, layer: int | None = None,
+               grouped: bool = False) -> tuple[float | np.ndarray, ...]:  # fmt: skip
         f = d = w = fl = 0.0
         for g in gemms:
-            a, b, c, x = self._gemm(tp_split(g, split), rows, bf16=bf16)
+            a, b, c, x = self._gemm(tp_split(g, split), rows, bf16=bf16, layer=layer, grouped=grouped)
             f, d, w, fl = f + a, d + b, w + c, fl + x
         return f, d, w, fl
 
     # ---- blocks -------------------------------------------------------------------------------
     def _static(self, name: str, layer: int) -> tuple[float, float, float, float]:
         """(fwd, dgrad-like backward, wgrad, FLOPs) of a block that does not depend on routing."""
-        key = (name, layer if name in ("attention", "fsdp_grad_copy_in") else None)
+        key = (name, layer if name in ("attention", "fsdp_grad_copy_in") or self.moved else None)
         hit = self._scalar.get(key)
         if hit is not None:
             return hit
@@ -183,22 +197,22 @@ class Pricer:
             e = self._mem(2 * Tsp * d * bpe)
             out = (e, e, 0.0, 0.0)
         elif name == "attention":
-            f, dg, wg, fl = self._gemms(attention_gemms(m), T, tp)
+            f, dg, wg, fl = self._gemms(attention_gemms(m), T, tp, layer=layer)
             cf, cb, core = self._attention_core(layer)
             extra = norm + self._mem(3 * Tsp * d * bpe, kernels=2)  # rope, residual
             out = (float(f[0]) + cf + extra, float(dg[0]) + cb + 2 * extra, float(wg[0]), float(fl[0]) + core)
         elif name == "mamba":
-            out = self._mamba(norm)
+            out = self._mamba(norm, layer)
         elif name == "mlp":
-            f, dg, wg, fl = self._gemms(dense_ffn_gemms(m), T, tp)
+            f, dg, wg, fl = self._gemms(dense_ffn_gemms(m), T, tp, layer=layer)
             out = (float(f[0]) + norm, float(dg[0]) + 2 * norm, float(wg[0]), float(fl[0]))
         elif name == "shared_experts":
-            f, dg, wg, fl = self._gemms(shared_expert_gemms(m), Tsp, 1)
+            f, dg, wg, fl = self._gemms(shared_expert_gemms(m), Tsp, 1, layer=layer)
             out = (float(f[0]), float(dg[0]), float(wg[0]), float(fl[0])) if shared_expert_gemms(m) else (0.0,) * 4
         elif name == "route":  # the router, and LatentMoE's projections down and back up (duplicated over TP)
             # Megatron's router_gating_linear (moe_utils.py) is a plain GEMM on BF16 operands, never FP8
             f, dg, wg, fl = self._gemms([router_gemm(m)], Tsp, 1, bf16=self.fp8)
-            lf, ldg, lwg, lfl = self._gemms(latent_gemms(m), Tsp, 1)  # TE linears: under the FP8 autocast
+            lf, ldg, lwg, lfl = self._gemms(latent_gemms(m), Tsp, 1, layer=layer)  # TE linears: under the autocast
             f, dg, wg, fl = f + lf, dg + ldg, wg + lwg, fl + lfl
             r = self.s.routing
             drop = not (r.dispatch == "dropless" or r.capacity_factor is None)
@@ -223,21 +237,21 @@ class Pricer:
             t = self.s.training
             out = (0.0, 0.0, self._mem(fsdp_copy_in_bytes(ne + ex, t.dtype, t.grad_reduce_dtype)), 0.0)  # wgrad part
         elif name == "mtp_proj":
-            f, dg, wg, fl = self._gemms(mtp_gemms(m), Tsp, 1)
+            f, dg, wg, fl = self._gemms(mtp_gemms(m), Tsp, 1, layer=layer)
             out = (float(f[0]) + 2 * norm, float(dg[0]) + 2 * norm, float(wg[0]), float(fl[0])) if m.mtp_layers else (0.0,) * 4
         else:
             raise ValueError(f"unknown block {name!r}")
         self._scalar[key] = out
         return out
 
-    def _mamba(self, norm: float) -> tuple[float, float, float, float]:
+    def _mamba(self, norm: float, layer: int) -> tuple[float, float, float, float]:
         """(fwd, backward, wgrad, FLOPs) of one Mamba-2 mixer on a TP rank (Megatron ``MambaMixer``, heads and
         groups split by tp): in_proj and out_proj GEMMs, the causal conv1d, the chunked SSD (the GPU's
         ``ssd`` figure; backward :data:`SSD_BWD_OVER_FWD` of it), the gated RMSNorm, the pre-norm and the
         residual add; with micro-batches of several sequences Megatron's ``_ssm_training`` also copies
         in_proj's output to batch-major and the SSD output back (``.contiguous()``)."""
         m, T, bpe, tp = self.m, self.T, self.bpe, self.tp
-        f, dg, wg, fl = self._gemms(mamba_gemms(m), T, tp)
+        f, dg, wg, fl = self._gemms(mamba_gemms(m), T, tp, layer=layer)
         heads = (m.mamba_num_heads or 0) // tp
         ssd = self.cost.ssd_time(T * heads, m.mamba_head_dim, m.mamba_state_dim)
         conv, gated = T * m.mamba_conv_channels // tp * bpe, T * m.mamba_d_inner // tp * bpe
@@ -261,7 +275,7 @@ class Pricer:
         first = (q // self.etp) * self.etp
         return sum(load[first + j] for j in range(self.etp)).astype(np.float64)
 
-    def _routed(self, name: str, moe: int, micro: int, q: np.ndarray):
+    def _routed(self, name: str, moe: int, micro: int, q: np.ndarray, layer: int | None = None):
         """(fwd, dgrad, wgrad, FLOPs) arrays over stage positions ``q`` of a routing-dependent block."""
         plan, m, d, bpe = self.plan, self.m, self.m.moe_token_width, self.bpe
         assert plan is not None
@@ -273,10 +287,11 @@ class Pricer:
             if self.fused_mlp:  # TE's CuTe DSL grouped MLP: fc1's epilogue applies the GLU and writes fc2's
                 # MXFP8 input; in backward fc2's dgrad epilogue applies the GLU's gradient and quantizes it
                 fc1, fc2 = (tp_split(g, self.etp) for g in expert_gemms(m))
-                one, two = self._gemm(fc1, flat, quant_grad=False), self._gemm(fc2, flat, quant_input=False)
+                one = self._gemm(fc1, flat, quant_grad=False, layer=layer, grouped=True)
+                two = self._gemm(fc2, flat, quant_input=False, layer=layer, grouped=True)
                 (a, b, c, x), act = (u + v for u, v in zip(one, two, strict=True)), 0.0
             else:
-                a, b, c, x = self._gemms(expert_gemms(m), flat, self.etp)
+                a, b, c, x = self._gemms(expert_gemms(m), flat, self.etp, layer=layer, grouped=True)
                 act = np.where(flat > 0, flat * width * bpe * passes / self.cost.hbm_Bps + self.cost.launch_s, 0.0)
             shape = rows.shape
             return ((a + act).reshape(shape).sum(axis=1), (b + 2 * act).reshape(shape).sum(axis=1),
@@ -314,7 +329,7 @@ class Pricer:
             secs += self._attention_core(layer)[0]
         if "mla_up_proj" in mods and m.attention == "mla" and attention:
             rope = self._mem(mla_rope_bytes(m, self.T, m.num_attention_heads // self.tp, bpe), kernels=2)
-            secs += float(self._gemms(mla_up_gemms(m), self.T, self.tp)[0][0]) + rope
+            secs += float(self._gemms(mla_up_gemms(m), self.T, self.tp, layer=layer)[0][0]) + rope
         if "shared_experts" in mods and moe is not None and m.num_shared_experts:
             secs += self._static("shared_experts", layer)[0]
         return secs * self.factor[q + stage * self.s.layout.stage_size]
@@ -340,7 +355,7 @@ class Pricer:
             if hit is None:
                 if len(self._recent) >= min(RECENT_BLOCKS, max(8, RECENT_BYTES // (32 * max(len(q), 1)))):
                     self._recent.pop(next(iter(self._recent)))
-                hit = self._recent[key] = self._routed(name, moe, micro, q)
+                hit = self._recent[key] = self._routed(name, moe, micro, q, layer)
             f, dg, wg, fl = hit
         else:
             f, dg, wg, fl = (np.full(len(q), x) for x in self._static(name, layer))

@@ -39,6 +39,7 @@ import numpy as np
 from sim.hardware.gemm_fit import (  # noqa: F401  (re-exported: the fit lives in gemm_fit)
     DEFAULT_HBM_EFFICIENCY,
     GENERIC_CURVE,
+    GROUPED,
     PRIOR_SIGMA,
     RELATED_DTYPE,
     FitPoint,
@@ -49,6 +50,7 @@ from sim.hardware.gemm_fit import (  # noqa: F401  (re-exported: the fit lives i
     fit_gemm_curve,
     fit_points,
     gpu_curve_params,
+    has_grouped_points,
 )
 from sim.inputs.calibration import Calibration
 from sim.inputs.topology import GpuSpec
@@ -59,8 +61,8 @@ DEFAULT_ATTENTION_EFFICIENCY = 0.65
 #: FlashAttention's backward runs 2.5x the forward FLOPs (as sim.frameworks.kernels.ATTENTION_BWD_FACTOR):
 #: the weight of the backward figure when forward and backward make one rate.
 ATTENTION_BWD_FLOPS = 2.5
-#: FP8 and MXFP8 training keep the attention core in BF16 (TransformerEngine's recipes without fp8_dpa).
-ATTENTION_DTYPE = {"fp8": "bf16", "mxfp8": "bf16"}
+#: FP8, MXFP8 and NVFP4 training keep the attention core in BF16 (TransformerEngine's recipes without fp8_dpa).
+ATTENTION_DTYPE = {"fp8": "bf16", "mxfp8": "bf16", "nvfp4": "bf16"}
 #: Adam with fp32 master weights and moments: read grad (4), master (4), m (4), v (4); write
 #: master, m, v (12) and the low-precision weight (2) -> ~30 B/param, rounded up for launches/casts.
 DEFAULT_OPTIMIZER_BYTES_PER_PARAM = 32.0
@@ -72,7 +74,7 @@ def gemm_fit_report(gpu: GpuSpec) -> list[dict]:
     cost = CostModel(gpu, burst=True)
     out = []
     for p in gpu.gemm_points:
-        t = cost.gemm_time(p.M, p.N, p.K, p.dtype)
+        t = cost.gemm_time(p.M, p.N, p.K, p.dtype + (GROUPED if p.grouped else ""))
         model = 2.0 * p.M * p.N * p.K / t / 1e12
         out.append({**p.model_dump(), "model_TFLOPs": model, "log_ratio": float(np.log(p.TFLOPs / model))})
     return out
@@ -95,13 +97,26 @@ class CostModel:
 
     def gemm_curve(self, dtype: str) -> GemmCurve:
         """The GEMM throughput curve for ``dtype``: the calibration's fit if it measured one, else the
-        GPU description's (fitted to its points, or the generic constants)."""
+        GPU description's: the FP8 curve times ``gemm_rate_over_fp8`` for a block-scaled format the GPU
+        measured that way, else fitted to its points (or the generic constants)."""
         curve = self._curves.get(dtype)
+        if curve is None and dtype.endswith(GROUPED):  # routed experts' grouped GEMMs: their own measurements
+            base = dtype.removesuffix(GROUPED)  # where the GPU has some, else the dense curve
+            if self.calibration is None and has_grouped_points(self.gpu, base):
+                frac, mh, nh, kh, p = gpu_curve_params(self.gpu, base, grouped=True)
+                curve = GemmCurve(self.gpu.peak_flops(base) * frac * self.sustained, mh, nh, kh, p)
+            else:
+                curve = self.gemm_curve(base)
+            self._curves[dtype] = curve
         if curve is None:
             cal = self.calibration
             fit = cal.gemm.get(dtype) if cal is not None else None
+            ratio = (self.gpu.gemm_rate_over_fp8 or {}).get(dtype)  # type: ignore[call-overload]
             if fit is not None:
                 curve = GemmCurve(fit.peak_TFLOPs * 1e12, fit.m_half, fit.nk_half, fit.nk_half)
+            elif ratio is not None:  # a block-scaled format measured against per-tensor FP8 on the same shapes
+                fp8 = self.gemm_curve("fp8")
+                curve = GemmCurve(fp8.peak_flops * ratio, fp8.m_half, fp8.n_half, fp8.k_half, fp8.m_sharpness)
             else:
                 frac, mh, nh, kh, p = gpu_curve_params(self.gpu, dtype)
                 curve = GemmCurve(self.gpu.peak_flops(dtype) * frac * self.sustained, mh, nh, kh, p)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from sim.inputs.topology import GemmPoint, GpuSpec, load_gpu
-from sim.model.dtypes import BYTES_PER_ELEMENT
+from sim.model.dtypes import BYTES_PER_ELEMENT, NVFP4_COPY_BYTES
 
 DEFAULT_PEAK_FRACTION = 0.85
 DEFAULT_M_HALF = 400.0
@@ -32,7 +32,7 @@ PRIOR_SIGMA = 2.0
 _FIT_LOW, _FIT_HIGH = np.log([0.01, 1.0, 1.0, 1.0, 1.0]), np.log([1.0, 1e6, 1e6, 1e6, 8.0])
 Params = tuple[float, float, float, float, float]
 #: A dtype without a curve of its own on a GPU starts from this dtype's curve of the same GPU.
-RELATED_DTYPE = {"fp16": "bf16", "tf32": "bf16", "fp32": "bf16", "fp8": "bf16", "mxfp8": "fp8"}
+RELATED_DTYPE = {"fp16": "bf16", "tf32": "bf16", "fp32": "bf16", "fp8": "bf16", "mxfp8": "fp8", "nvfp4": "mxfp8"}
 #: Achieved fraction of datasheet HBM bandwidth for streaming kernels where the GPU gives none.
 DEFAULT_HBM_EFFICIENCY = 0.90
 
@@ -53,8 +53,15 @@ def _h_p(x, c, p: float):
     return (1.0 + (c / x) ** p) ** (-1.0 / p) if x > 0 else 0.0
 
 
+GROUPED = ":grouped"  #: suffix of a dtype key naming its grouped-GEMM curve (``"mxfp8:grouped"``)
+
+
 def bytes_per_element(dtype: str) -> float:
-    """Operand bytes per element; MXFP8 adds one E8M0 scale per 32 elements (OCP MX format)."""
+    """Operand bytes per element; MXFP8 adds one E8M0 scale per 32 elements (OCP MX format), NVFP4 one
+    E4M3 scale per 16 (:data:`~sim.model.dtypes.NVFP4_COPY_BYTES`)."""
+    dtype = dtype.removesuffix(GROUPED)
+    if dtype == "nvfp4":
+        return NVFP4_COPY_BYTES
     return 1.0 + 1.0 / 32.0 if dtype == "mxfp8" else BYTES_PER_ELEMENT[dtype]
 
 
@@ -129,16 +136,17 @@ def _lender(gpu: GpuSpec, dtype: str) -> GpuSpec | None:
     return None if ref is None else ref if isinstance(ref, GpuSpec) else load_gpu(ref)
 
 
-def fit_points(gpu: GpuSpec, dtype: str) -> list[FitPoint]:
+def fit_points(gpu: GpuSpec, dtype: str, grouped: bool = False) -> list[FitPoint]:
     """The points ``gpu``'s curve for ``dtype`` is fitted to: its own, then those of the GPU that
-    ``gemm_points_from`` names for the dtype (recursively), each with the figures of its own GPU."""
+    ``gemm_points_from`` names for the dtype (recursively), each with the figures of its own GPU; dense
+    points, or with ``grouped`` the grouped-GEMM ones."""
     own = [
         FitPoint(p, gpu.peak_flops(dtype), _gpu_hbm_Bps(gpu), gpu.kernel_launch_us * 1e-6)
         for p in gpu.gemm_points
-        if p.dtype == dtype
+        if p.dtype == dtype and p.grouped == grouped
     ]
     lender = _lender(gpu, dtype)
-    return own + (fit_points(lender, dtype) if lender is not None else [])
+    return own + (fit_points(lender, dtype, grouped) if lender is not None else [])
 
 
 def _prior_params(gpu: GpuSpec, dtype: str) -> Params:
@@ -151,23 +159,31 @@ def _prior_params(gpu: GpuSpec, dtype: str) -> Params:
     return GENERIC_CURVE
 
 
-_FITTED: dict[tuple[str, str], Params] = {}
+_FITTED: dict[tuple[str, str, bool], Params] = {}
 
 
-def gpu_curve_params(gpu: GpuSpec, dtype: str) -> Params:
+def gpu_curve_params(gpu: GpuSpec, dtype: str, grouped: bool = False) -> Params:
     """(frac, m_half, n_half, k_half, m_sharpness) of ``gpu`` for ``dtype``: fitted to :func:`fit_points` on the
-    prior (see the module docstring); the prior itself where there are none. Cached per description."""
-    key = (gpu.model_dump_json(exclude={"sustained_compute_fraction"}), dtype)  # the fit ignores it
+    prior (see the module docstring); the prior itself where there are none. ``grouped``: the grouped-GEMM
+    curve, fitted to the grouped points on the dense curve's parameters as prior. Cached per description."""
+    key = (gpu.model_dump_json(exclude={"sustained_compute_fraction"}), dtype, grouped)  # the fit ignores it
     hit = _FITTED.get(key)
     if hit is None:
-        points, prior = fit_points(gpu, dtype), _prior_params(gpu, dtype)
+        points = fit_points(gpu, dtype, grouped)
+        prior = gpu_curve_params(gpu, dtype) if grouped else _prior_params(gpu, dtype)
         hit = _FITTED[key] = fit_gemm_curve(points, prior) if points else prior
     return hit
+
+
+def has_grouped_points(gpu: GpuSpec, dtype: str) -> bool:
+    """Whether ``gpu`` (or its lender for ``dtype``) publishes grouped-GEMM points of ``dtype``."""
+    return bool(fit_points(gpu, dtype, grouped=True))
 
 
 __all__ = [
     "DEFAULT_HBM_EFFICIENCY",
     "GENERIC_CURVE",
+    "GROUPED",
     "PRIOR_SIGMA",
     "RELATED_DTYPE",
     "FitPoint",
@@ -177,4 +193,5 @@ __all__ = [
     "fit_gemm_curve",
     "fit_points",
     "gpu_curve_params",
+    "has_grouped_points",
 ]

@@ -13,7 +13,7 @@ from sim.inputs.yamlio import StrictModel
 _STRICT = ConfigDict(extra="forbid", frozen=True)
 #: Upper bound on rates (GB/s, TFLOP/s): far past any hardware, finite after unit conversions.
 _BIG = 1e9
-Dtype = Literal["fp8", "bf16", "fp16", "tf32", "fp32", "mxfp8"]
+Dtype = Literal["fp8", "bf16", "fp16", "tf32", "fp32", "mxfp8", "nvfp4"]
 #: Largest GEMM dimension a measurement point may give (far past any published shape).
 _MAX_DIM = 10**9
 
@@ -29,6 +29,8 @@ class GemmPoint(StrictModel):
     TFLOPs: float = Field(gt=0, le=_BIG, description="achieved 2 M N K / kernel time, TFLOP/s")
     kernel: str = Field(description="library and kernel that ran (e.g. cuBLAS via torch.matmul)")
     source: str = Field(description="where the figure is published (repository@commit, issue, paper)")
+    grouped: bool = Field(default=False, description="a grouped GEMM (MoE experts, M rows per group): fits the "
+                          "dtype's grouped curve, which routed experts use, not the dense one")  # fmt: skip
 
 
 class AttentionFigure(StrictModel):

@@ -23,6 +23,7 @@ from sim.errors import InputError
 from sim.inputs.faults import FaultsConfig
 from sim.inputs.hybrid_checks import check_hybrid
 from sim.inputs.layout import Layout
+from sim.inputs.precision_checks import check_precision
 from sim.inputs.sections import (
     _STRICT,
     POLICIES,
@@ -165,7 +166,7 @@ class Scenario(StrictModel):
                 field="cluster.nodes",
             )
         self._check_files()
-        self._check_dtype()
+        check_precision(self)
         self._check_recompute_modules()
         check_hybrid(self)
         world = self.world_size
@@ -228,50 +229,6 @@ class Scenario(StrictModel):
         if self.model.first_dense_layers == self.model.num_layers and self.model.num_experts > 1:
             raise InputError(
                 "every layer is dense: first_dense_layers == num_layers", field="model.first_dense_layers"
-            )
-
-    def _check_dtype(self) -> None:
-        """FP8 and MXFP8 GEMMs need tensor cores for them: a GPU whose description lists no peak for the
-        format (A100 has no FP8; Hopper no MX formats) cannot run it, rather than silently at bf16."""
-        dtype, gpu = self.training.dtype, self.topology.gpu
-        if dtype in ("fp8", "mxfp8") and dtype not in gpu.peak_TFLOPs:
-            raise InputError(
-                f"{dtype} needs tensor cores for it: {gpu.kind} (topology '{self.topology.name}') lists peaks "
-                f"for {', '.join(gpu.peak_TFLOPs)} only" + ("; on Hopper use fp8 with fp8_recipe: blockwise"
-                                                            if dtype == "mxfp8" and "fp8" in gpu.peak_TFLOPs else ""),
-                field="training.dtype",
-            )
-        m = self.model
-        if self.training.cutedsl_fused_grouped_mlp and (dtype != "mxfp8" or m.num_experts <= 1 or m.ffn_type != "gated"):
-            raise InputError(
-                "cutedsl_fused_grouped_mlp is TransformerEngine's block-scaled grouped GLU MLP (ops/fused/grouped_mlp.py: "
-                f"MXFP8 on Blackwell, gated experts); training.dtype is {dtype!r}, model.num_experts {m.num_experts}, "
-                f"model.ffn_type {m.ffn_type!r} (needs mxfp8 and gated experts)",
-                field="training.cutedsl_fused_grouped_mlp",
-            )
-
-        wrong = ([f"training.dtype is {dtype!r} (needs fp8 or mxfp8)"] if dtype not in ("fp8", "mxfp8") else []) + (
-            [f"{gpu.kind} (topology '{self.topology.name}') has no attention_shapes figure"]
-            if gpu.attention_shapes is None else [])  # fmt: skip
-        if self.training.fp8_attention and wrong:
-            raise InputError(
-                "fp8_attention runs the attention core at the GPU's measured FP8 attention rates: " + "; ".join(wrong),
-                field="training.fp8_attention",
-            )
-
-        if self.training.fp8_output_proj and dtype != "mxfp8":  # Megatron's TransformerConfig raises the same
-            raise InputError(f"fp8_output_proj runs the LM head under MXFP8: training.dtype is {dtype!r} (needs mxfp8)",
-                             field="training.fp8_output_proj")  # fmt: skip
-        if self.training.optimizer == "muon" and self.training.offload_optimizer != "none":
-            raise InputError(
-                "optimizer muon (Megatron-Core's LayerWiseDistributedOptimizer) keeps its states on the GPU: "
-                "offload_optimizer must be none", field="training.offload_optimizer",
-            )  # fmt: skip
-        if self.training.optimizer == "muon" and self.training.framework != "megatron":
-            raise InputError(
-                f"optimizer muon is Megatron-Core's dist_muon (LayerWiseDistributedOptimizer); framework is "
-                f"{self.training.framework!r} (use framework: megatron)",
-                field="training.optimizer",
             )
 
     def _check_recompute_modules(self) -> None:

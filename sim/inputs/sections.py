@@ -14,6 +14,7 @@ from typing import Any, Literal, get_args
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from sim.inputs.model_section import ModelConfig  # noqa: F401  (re-exported: the model section lives there)
+from sim.inputs.precision_section import GemmPrecision
 from sim.inputs.stages import parse_layout
 from sim.inputs.yamlio import StrictModel, field_error
 
@@ -171,16 +172,12 @@ class TrainingConfig(StrictModel):
     micro_batch_size: int = Field(ge=1, le=1_000_000, description="sequences per rank per micro-step")
     seq_len: int = Field(ge=1, le=10_000_000, description="tokens per sequence")
     grad_accum_steps: int = Field(default=1, ge=1, le=1_000_000, description="micro-steps per optimizer step")
-    global_batch_size: int | None = Field(
-        default=None,
-        ge=1,
-        le=10**15,
-        description="sequences per step; checked = micro x accum x dp when given",
-    )
-    dtype: Literal["bf16", "fp16", "fp32", "fp8", "mxfp8"] = Field(
+    global_batch_size: int | None = Field(default=None, ge=1, le=10**15,
+                                          description="sequences per step; checked = micro x accum x dp when given")  # fmt: skip
+    dtype: Literal["bf16", "fp16", "fp32", "fp8", "mxfp8", "nvfp4"] = Field(
         default="bf16",
-        description="GEMM precision; fp8 (per-tensor/blockwise) and mxfp8 keep bf16 weights, activations "
-        "and gradients and fp32 master weights and optimizer states",
+        description="GEMM precision; fp8 (per-tensor/blockwise), mxfp8 and nvfp4 (TE's NVFP4BlockScaling, megatron "
+        "only) keep bf16 weights, activations and gradients and fp32 master weights and optimizer states",
     )
     fp8_recipe: Literal["delayed", "current", "blockwise"] = Field(
         default="delayed",
@@ -188,6 +185,8 @@ class TrainingConfig(StrictModel):
         "current (per-tensor current scaling: an extra amax pass over each input), blockwise (1x128 / 128x128 "
         "blocks as DeepSeek-V3; on Blackwell it runs as MXFP8)",
     )
+    gemm_precision: GemmPrecision = Field(default_factory=GemmPrecision, description="GEMMs in another precision "
+                                          "(Megatron first_last_layers_bf16, --quant-recipe matchers): precision_section.py")
     framework: Literal["deepspeed", "megatron", "fsdp2"] = Field(
         default="deepspeed",
         description="what runs the step: DeepSpeed ZeRO, Megatron-Core (distributed optimizer) or FSDP2",
@@ -218,9 +217,7 @@ class TrainingConfig(StrictModel):
         "setting it means activation_checkpointing: selective (default there: layernorm, moe_act)",
     )
     recompute_num_layers: int | None = Field(
-        default=None,
-        ge=1,
-        le=1_000_000,
+        default=None, ge=1, le=1_000_000,
         description="with full checkpointing, recompute only the first N layers of each pipeline chunk "
         "(Megatron recompute_method=block, recompute_num_layers); unset: every layer",
     )

@@ -88,6 +88,12 @@ class GpuSpec(StrictModel):
         "(Hopper, where cuBLAS runs them natively); unset: block scaling runs as MXFP8 where the GPU has it, "
         "else at the FP8 rate",
     )
+    gemm_rate_over_fp8: dict[Literal["mxfp8", "nvfp4"], float] | None = Field(
+        default=None,
+        description="block-scaled formats' GEMMs at this multiple of the per-tensor FP8 curve's rate (kernel "
+        "times, same shapes, no quantization: TransformerEngine's GEMM profiling guide); unset for a format: "
+        "its own fitted curve",
+    )
     sustained_compute_fraction: float = Field(
         default=1.0,
         gt=0,

@@ -37,7 +37,7 @@ from sim.routing.traffic import (
 
 #: ``method="auto"`` samples every token exactly while layers x micro x world x tokens x E stays under this.
 EXACT_LIMIT = 1 << 23
-BYTES_PER_ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2, "mxfp8": 2}  # storage bytes: FP8 recipes keep bf16 tensors
+BYTES_PER_ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2, "mxfp8": 2, "nvfp4": 2}  # storage: quantized recipes keep bf16
 
 
 def expert_param_count(scenario: Scenario) -> int:

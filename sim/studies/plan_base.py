@@ -24,6 +24,7 @@ from sim.errors import InputError
 from sim.inputs.scenario import Scenario
 from sim.inputs.sections import CollectivesConfig, ParallelismConfig, RoutingConfig, TrainingConfig
 from sim.inputs.yamlio import validate_model
+from sim.model.dtypes import is_quantized
 from sim.studies.plan_space import Candidate, ModelShape, Space, Split
 
 #: global batch (sequences) when neither --global-batch nor a scenario gives one
@@ -212,7 +213,7 @@ def memory_record(s: Scenario) -> dict[str, Any]:
     from sim.model.stage_memory import stage_memory_record
 
     p, t = s.parallelism, s.training
-    if p.tp == p.cp == p.pp == p.etp == 1 and t.framework == "deepspeed" and t.dtype not in ("fp8", "mxfp8"):
+    if p.tp == p.cp == p.pp == p.etp == 1 and t.framework == "deepspeed" and not is_quantized(t.dtype):
         return memory_per_gpu(s).as_dict()
     return stage_memory_record(s)
 
@@ -229,7 +230,7 @@ def states_exceed(s: Scenario, headroom_GiB: float = 0.0) -> bool:
     from sim.model.stage_memory import memory_per_stage
 
     p, t = s.parallelism, s.training
-    if p.tp == p.cp == p.pp == p.etp == 1 and t.framework == "deepspeed" and t.dtype not in ("fp8", "mxfp8"):
+    if p.tp == p.cp == p.pp == p.etp == 1 and t.framework == "deepspeed" and not is_quantized(t.dtype):
         stages = [memory_per_gpu(s)]
     else:
         stages = memory_per_stage(s)

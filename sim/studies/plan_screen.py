@@ -22,7 +22,7 @@ from sim.engine.a2a_timing import overlap_saved_s, sm_slowdown
 from sim.frameworks.kernels import ATTENTION_BWD_FACTOR
 from sim.frameworks.policies import policy_of
 from sim.frameworks.pricing import attention_ratio, tp_split
-from sim.hardware.costs import CostModel
+from sim.hardware.costs import GROUPED, CostModel
 from sim.inputs.scenario import Scenario
 from sim.inputs.stages import rank_chunks
 from sim.model.dtypes import (
@@ -30,6 +30,7 @@ from sim.model.dtypes import (
     fsdp_copy_in_bytes,
     gemm_dtype,
     grad_reduce_bytes,
+    is_quantized,
     storage_dtype,
 )
 from sim.model.flops import (
@@ -121,7 +122,7 @@ class Screen:
         moe = m.is_moe_layer(i)
         window = m.attention_window(i)
         key = (p.tp, p.cp, p.etp, s.ep, t.micro_batch_size, t.dtype, t.activation_checkpointing, t.recompute_set,
-               moe, window, t.fp8_attention, t.cutedsl_fused_grouped_mlp,
+               moe, window, t.fp8_attention, t.cutedsl_fused_grouped_mlp, t.framework,
                s.collectives.all_to_all, s.sequence_parallel, s.collectives.tp_comm_overlap)  # fmt: skip
         hit = self._layer.get(key)
         if hit is not None:
@@ -135,7 +136,7 @@ class Screen:
         f, b = self._gemms(attention_gemms(m), T, tp, dt)
         core = attention_core_flops_layer(m, t.seq_len, i) * t.micro_batch_size / (p.cp * tp)
         io = 4 * T * (m.num_attention_heads // tp) * m.head_size * bpe
-        cdt = "bf16" if t.dtype in ("fp8", "mxfp8") else dt
+        cdt = "bf16" if is_quantized(t.dtype) else dt
         extra = norm + mem(3 * Tsp * d * bpe, 2)
         rf, rb = attention_ratio(s, self.cost, i, dt)  # the layer's shape and precision (pricing.Pricer's)
         core_f = self.cost.attention_time(core / rf, io, cdt)
@@ -146,11 +147,12 @@ class Screen:
         comm = tp_comm + self._ring(p.cp, T * 2 * m.kv_heads * m.head_size / tp * bpe * p.cp, tp * p.cp)
         a2a = 0.0
         if moe:
-            rf, rb = self._gemms([router_gemm(m)], Tsp, 1, "bf16" if t.dtype in ("fp8", "mxfp8") else dt)  # never FP8
+            rf, rb = self._gemms([router_gemm(m)], Tsp, 1, "bf16" if is_quantized(t.dtype) else dt)  # never FP8
             copies = Tsp * m.top_k
             perm = float(self.cost.dispatcher_time(2 * copies * d * bpe, 1))
             rows = s.ep * p.etp * Tsp * m.top_k / m.num_experts
-            ef, eb = self._gemms(expert_gemms(m), rows, p.etp, dt)
+            edt = dt + GROUPED if t.framework != "deepspeed" else dt  # grouped experts: pricing.Pricer's curve
+            ef, eb = self._gemms(expert_gemms(m), rows, p.etp, edt)
             width = (m.moe_ffn_hidden_size or d) / p.etp
             passes = (3 if m.ffn_type == "gated" else 2) + expert_activation_passes(m)
             eact = 0.0 if t.cutedsl_fused_grouped_mlp else mem(rows * width * bpe * passes)  # fused: in the epilogues
@@ -209,7 +211,7 @@ class Screen:
                 if vs.embedding:
                     kern += 2 * self.cost.memory_time(2 * Tsp * m.hidden_size * bpe)
                 if vs.head:  # the LM head and loss, once more per MTP module after its layer (builder)
-                    fp8_head = t.fp8_output_proj or t.dtype not in ("fp8", "mxfp8")  # Megatron's head is BF16 under FP8
+                    fp8_head = t.fp8_output_proj or not is_quantized(t.dtype)  # Megatron's head is BF16 under FP8
                     head_dt = dt if fp8_head else "bf16"
                     hf, hb = self._gemms([lm_head_gemm(m)], T if p.tp > 1 else Tsp, p.tp, head_dt)
                     head = hf + hb + 2 * self.cost.memory_time(2 * Tsp * m.vocab_size / p.tp * 4, 2)
