@@ -60,7 +60,7 @@ def summary_table(gpus) -> str:
     ]
     for gpu in gpus.values():
         report = gemm_fit_report(gpu)
-        for dtype, grouped in (("bf16", False), ("fp8", False), ("mxfp8", False), ("mxfp8", True)):
+        for dtype, grouped in (("bf16", False), ("fp8", False), ("mxfp8", False), ("mxfp8", True), ("nvfp4", False)):
             if dtype not in gpu.peak_TFLOPs or (grouped and not gemm_fit.has_grouped_points(gpu, dtype)):
                 continue
             if not grouped and dtype in (gpu.gemm_rate_over_fp8 or {}):
@@ -87,7 +87,7 @@ def test_fitted_model_reproduces_every_public_point(gpus):
         worst += [(abs(r["log_ratio"]), gpu.kind, r) for r in report]
     bad = [w for w in worst if w[0] > POINT_TOLERANCE]
     assert not bad, bad
-    assert len(worst) == 78  # every point of topologies/gpus/ was checked
+    assert len(worst) == 87  # every point of topologies/gpus/ was checked
 
 
 def test_residuals_are_the_ones_documented(gpus):

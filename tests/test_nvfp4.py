@@ -51,8 +51,12 @@ def test_block_scaled_gemms_match_transformer_engines_b300_guide():
         model = sum(sum(x[0] for x in cost.gemm_train_times(np.array([m]), n, k, dt))
                     for k, n in [(h, 3 * h), (h, h), (h, f), (f, h)])  # fmt: skip
         assert model * 1e3 == pytest.approx(ms, rel=0.10), dt
-    for kind in ("b200-sxm", "gb200", "gb300"):  # the other Blackwell kinds take B300's ratios
-        assert load_gpu(kind).gemm_rate_over_fp8 == gpu.gemm_rate_over_fp8
+    assert load_gpu("gb300").gemm_rate_over_fp8 == gpu.gemm_rate_over_fp8  # Blackwell Ultra: B300's ratios
+    for kind in ("b200-sxm", "gb200"):  # Blackwell: B300's MXFP8 ratio; NVFP4 fitted to B200's own kernel points
+        assert load_gpu(kind).gemm_rate_over_fp8 == {"mxfp8": gpu.gemm_rate_over_fp8["mxfp8"]}
+    b200 = CostModel(load_gpu("b200-sxm"), burst=True)  # vLLM PR #20646, N 6144, K 4096, kernel only
+    for m, tflops in ((1024, 2895.0), (4096, 3645.6), (16384, 3904.3)):
+        assert 2 * m * 6144 * 4096 / b200.gemm_time(m, 6144, 4096, "nvfp4") / 1e12 == pytest.approx(tflops, rel=0.10)
 
 
 def _pricer(entry_id: str):
