@@ -203,35 +203,35 @@ def _md(record: dict) -> str:
     return "\n".join(lines)
 
 
-#: What makes the difference, read off the record of 2026-12-07 (rewrite when the record changes).
+#: What makes the difference, read off the record of 2026-12-07, after the sustained-fraction refit (rewrite when the record changes).
 NOTES: dict[str, str] = {
     "D5": "What makes the difference: the published layout runs GPT-OSS-120B's 36 layers on 4 pipeline stages "
     "of 9 without interleaving, and the last stage also carries the LM head and loss over a 201,088-word "
-    "vocabulary: in simulation the other stages wait for it, so the pipeline bubble is 2.3 s of the 10.1 s "
+    "vocabulary: in simulation the other stages wait for it, so the pipeline bubble is 2.2 s of the 9.5 s "
     "step where 1F1B's own (3/83 with 80 micro-batches) is 0.4 s. The best layouts halve the pipeline and "
-    "interleave it: PP2 x VPP3 (6 layers a chunk) leaves 0.85 s of bubble (-1.46 s); with dp 32 the same "
-    "global batch is 40 micro-batches a rank, and without recompute compute drops 0.21 s, for 0.14 s more "
+    "interleave it: PP2 x VPP3 (6 layers a chunk) leaves 0.81 s of bubble (-1.37 s); with dp 32 the same "
+    "global batch is 40 micro-batches a rank, and without recompute compute drops 0.21 s, for 0.15 s more "
     "exposed gradient reduce-scatter. It spends memory the published run leaves free (75.6 against 53.3 GiB "
     "in the model; Megatron's gradient buffer counted in the bf16 the recipe reduces in). The published "
-    "degrees rank 21st or lower by the estimate (19th of 197 by the closed form). The ten layouts lie within "
-    "7% of each other, and D5 itself is simulated 28% faster than measured: the order among them is the "
+    "degrees rank 21st or lower by the estimate (18th of 197 by the closed form). The ten layouts lie within "
+    "8% of each other, and D5 itself is simulated 32% faster than measured: the order among them is the "
     "simulator's opinion, not a measurement.",
     "D9": "What makes the difference: the all-to-all. EP32 spreads a token's 8 experts over ~3.6 of the EP "
     "group's 4 nodes and DeepEP sends it once over InfiniBand to each remote node (~2.7 copies); EP16 spans 2 "
     "nodes (~1 copy). In simulation that is 6.10 s of all-to-all per step against 2.17 s (-3.94 s), for 0.26 s "
     "more compute (8 experts a GPU instead of 4). Every layout the plan estimated is faster than the published "
-    "one, so the target is missed: the published layout ranks 21st or lower (the closed form puts it 73rd of 429 "
-    "layouts), 27% slower than the best. Two things the simulator does not see can make EP16 lose in practice: "
+    "one, so the target is missed: the published layout ranks 21st or lower (the closed form puts it 81st of 429 "
+    "layouts), 28% slower than the best. Two things the simulator does not see can make EP16 lose in practice: "
     "memory (the best layouts use 77-79 of the model's 79.6 GiB, with no room for the CUDA context, NCCL and "
-    "DeepEP buffers or fragmentation) and the measurement itself (D9 is simulated 2% faster than its 19.7 s). "
-    "The first is tested below: with 8 GiB kept free EP16 still wins by 22%. Nor is it the simulator's "
+    "DeepEP buffers or fragmentation) and the measurement itself (D9 is simulated 6% faster than its 19.7 s). "
+    "The first is tested below: with 8 GiB kept free EP16 still wins by 23%. Nor is it the simulator's "
     "all-to-all bias: it over-predicts DeepEP's EP16 bandwidth more than EP32's (C2: +29% against +10%), but "
     "priced at C2's measured 43 and 58 GB/s the two take about 2.8 and 6.7 s, the same 3.9 s apart. The row comes from the "
     "ModelZoo's 'Cross-node EP strategy' table, a demonstration of EP across nodes rather than a claim of the "
     "fastest layout.",
     "D9-headroom8": "With 8 GiB per GPU kept free the EP16 layouts that filled memory drop out (tp2 pp4 vpp8 at "
     "79.2 GiB, tp2 pp8 vpp4 with no recompute at 79.4) and selective recompute comes back, but the all-to-all "
-    "difference stands: the best is 1.22x the published layout at 68.6 GiB, and the published layout still "
+    "difference stands: the best is 1.23x the published layout at 68.6 GiB, and the published layout still "
     "ranks 21st or lower.",
 }
 
