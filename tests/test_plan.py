@@ -22,7 +22,7 @@ from sim.studies.plan_space import ModelShape, Space, Split, enumerate_space, la
 QWEN30 = ROOT / "validation" / "published" / "models" / "Qwen3-30B-A3B" / "config.json"
 #: a small plan: one recompute choice, 64 sequences (few micro-batches), 3 layouts simulated
 SMALL = ["--model", str(QWEN30), "--topology", "dgx-h100", "--gpus", "16", "--global-batch", "64",
-         "--recompute", "none", "--top", "3", "--shortlist", "5", "--jobs", "1", "--no-progress"]  # fmt: skip
+         "--recompute", "none", "--top", "3", "--shortlist", "8", "--jobs", "1", "--no-progress"]  # fmt: skip
 CONTRACT = ("layout", "step_time_s", "tokens_per_s_per_gpu", "mfu", "memory", "bound_by")
 
 
@@ -97,7 +97,8 @@ def test_small_plan_ranks_valid_layouts_only(small_plan):
 
 
 def test_small_plan_finds_the_published_layout(small_plan):
-    """Qwen3-30B-A3B trains with EP8 inside a node, TP1 PP1 (D1, D2, D6 of validation/published)."""
+    """Qwen3-30B-A3B trains with EP8 inside a node, TP1 PP1 (D1, D2, D6 of validation/published). The closed
+    form ranks it 6th (1.9% behind PP2 x VPP8), the DES first by 6%: the shortlist holds 8."""
     _, doc = small_plan
     found = [p for p in doc["plans"] if (p["layout"]["tp"], p["layout"]["pp"], p["layout"]["ep"]) == (1, 1, 8)]
     assert found and found[0]["rank"] <= 2
@@ -109,7 +110,7 @@ def test_small_plan_counts_add_up(small_plan):
     assert c["combinations"] == sum(c["dropped_by_rules"].values()) + c["candidates"]
     assert c["candidates"] == sum(c["invalid"].values()) + sum(c["do_not_fit"].values()) + c["fit"]
     assert c["fit"] == c["not_shortlisted"] + c["estimated"]
-    assert c["simulated"] == len(doc["plans"]) and c["estimated"] == len(doc["estimates"]) == 5
+    assert c["simulated"] == len(doc["plans"]) and c["estimated"] == len(doc["estimates"]) == 8
     assert sum(c["do_not_fit"].values()) > 0 and c["fit"] > 0
 
 
