@@ -66,7 +66,7 @@ def _pricer(entry_id: str):
 
 def test_nvfp4_gemm_pays_its_casts():
     p = _pricer("F2")
-    assert p.dt == "nvfp4" and p.recipe == "nvfp4" and p.fp8
+    assert p.dt == "nvfp4" and p.recipe == "nvfp4" and p.quantized
     g = dense_ffn_gemms(p.m)[0]
     rows = 8192.0
     fwd, dgrad, wgrad, flops = p._gemm(g, rows)

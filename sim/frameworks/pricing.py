@@ -121,7 +121,7 @@ class Pricer:
         self.sp = s.sequence_parallel
         self.dt = gemm_dtype(t.dtype)
         self.bpe = BYTES_PER_ELEMENT[storage_dtype(t.dtype)]
-        self.fp8 = is_quantized(t.dtype)  # any quantized recipe (FP8, MXFP8, NVFP4)
+        self.quantized = is_quantized(t.dtype)  # FP8, MXFP8 or NVFP4: GEMMs under TE's autocast
         self.recipe = fp8_recipe(t.dtype, t.fp8_recipe)
         self.dtype = t.dtype  # the training precision; gemm_precision moves single GEMMs off it
         self.moved = t.gemm_precision.active
@@ -211,7 +211,7 @@ class Pricer:
             out = (float(f[0]), float(dg[0]), float(wg[0]), float(fl[0])) if shared_expert_gemms(m) else (0.0,) * 4
         elif name == "route":  # the router, and LatentMoE's projections down and back up (duplicated over TP)
             # Megatron's router_gating_linear (moe_utils.py) is a plain GEMM on BF16 operands, never FP8
-            f, dg, wg, fl = self._gemms([router_gemm(m)], Tsp, 1, bf16=self.fp8)
+            f, dg, wg, fl = self._gemms([router_gemm(m)], Tsp, 1, bf16=self.quantized)
             lf, ldg, lwg, lfl = self._gemms(latent_gemms(m), Tsp, 1, layer=layer)  # TE linears: under the autocast
             f, dg, wg, fl = f + lf, dg + ldg, wg + lwg, fl + lfl
             r = self.s.routing
@@ -223,7 +223,7 @@ class Pricer:
         elif name == "output":
             rows = T if tp > 1 else Tsp  # the head gathers the sequence: every token, vocab / tp logits each
             # Megatron's head is its own ColumnParallelLinear, outside TE's FP8 autocast, unless fp8_output_proj
-            f, dg, wg, fl = self._gemms([lm_head_gemm(m)], rows, tp, bf16=self.fp8 and not self.s.training.fp8_output_proj)
+            f, dg, wg, fl = self._gemms([lm_head_gemm(m)], rows, tp, bf16=self.quantized and not self.s.training.fp8_output_proj)
             logits = rows * m.vocab_size / tp
             if self.s.training.cross_entropy_fusion:
                 ce_f = ce_b = self._mem(logits * FUSED_CE_BYTES, kernels=2)
@@ -340,7 +340,7 @@ class Pricer:
         seq = self.s.training.seq_len
         core = attention_core_flops_layer(m, seq, layer) * self.s.training.micro_batch_size / (self.cp * tp)
         io = 4 * self.T * (m.num_attention_heads // tp) * m.head_size * bpe
-        core_dt = "bf16" if self.fp8 else self.dt  # FlashAttention runs bf16 under FP8 recipes
+        core_dt = "bf16" if self.quantized else self.dt  # the attention core runs bf16 under TE's recipes
         rf, rb = attention_ratio(self.s, self.cost, layer, self.dt)
         cf = self.cost.attention_time(core / rf, io, core_dt)
         return cf, self.cost.attention_time(ATTENTION_BWD_FACTOR * core / rb, 2 * io, core_dt), core

@@ -53,6 +53,7 @@ from sim.hardware.gemm_fit import (  # noqa: F401  (re-exported: the fit lives i
     has_grouped_points,
 )
 from sim.inputs.calibration import Calibration
+from sim.inputs.precision_section import QUANTIZED_DTYPES
 from sim.inputs.topology import GpuSpec
 
 #: Attention-core throughput relative to the achieved GEMM peak, for kinds without an attention
@@ -62,7 +63,7 @@ DEFAULT_ATTENTION_EFFICIENCY = 0.65
 #: the weight of the backward figure when forward and backward make one rate.
 ATTENTION_BWD_FLOPS = 2.5
 #: FP8, MXFP8 and NVFP4 training keep the attention core in BF16 (TransformerEngine's recipes without fp8_dpa).
-ATTENTION_DTYPE = {"fp8": "bf16", "mxfp8": "bf16", "nvfp4": "bf16"}
+ATTENTION_DTYPE = dict.fromkeys(QUANTIZED_DTYPES, "bf16")
 #: Adam with fp32 master weights and moments: read grad (4), master (4), m (4), v (4); write
 #: master, m, v (12) and the low-precision weight (2) -> ~30 B/param, rounded up for launches/casts.
 DEFAULT_OPTIMIZER_BYTES_PER_PARAM = 32.0

@@ -17,13 +17,17 @@ def check_precision(s: Scenario) -> None:
     format (A100 has no FP8; Hopper no MX or FP4 formats) cannot run it, rather than silently at bf16. NVFP4
     is priced as Megatron-Core runs it; the FP8 flags need their formats; Muon is Megatron's, on the GPU."""
     dtype, gpu = s.training.dtype, s.topology.gpu
-    if dtype in QUANTIZED_DTYPES and dtype not in gpu.peak_TFLOPs:
-        raise InputError(
-            f"{dtype} needs tensor cores for it: {gpu.kind} (topology '{s.topology.name}') lists peaks "
-            f"for {', '.join(gpu.peak_TFLOPs)} only" + ("; on Hopper use fp8 with fp8_recipe: blockwise"
-                                                        if dtype == "mxfp8" and "fp8" in gpu.peak_TFLOPs else ""),
-            field="training.dtype",
-        )
+
+    def needs_cores(dt: str, field: str) -> None:  # a quantized format the GPU has no tensor cores for
+        if dt in QUANTIZED_DTYPES and dt not in gpu.peak_TFLOPs:
+            raise InputError(
+                f"{dt} needs tensor cores for it: {gpu.kind} (topology '{s.topology.name}') lists peaks "
+                f"for {', '.join(gpu.peak_TFLOPs)} only" + ("; on Hopper use fp8 with fp8_recipe: blockwise"
+                                                            if dt == "mxfp8" and "fp8" in gpu.peak_TFLOPs else ""),
+                field=field,
+            )
+
+    needs_cores(dtype, "training.dtype")
     if dtype == "nvfp4" and s.training.framework != "megatron":
         raise InputError(
             "nvfp4 is Megatron-Core's TransformerEngine NVFP4 recipe (--fp4-format e2m1 --fp4-recipe nvfp4): "
@@ -40,9 +44,7 @@ def check_precision(s: Scenario) -> None:
         raise InputError(f"bf16_first_layers + bf16_last_layers = {gp.bf16_first_layers + gp.bf16_last_layers} exceed "
                          f"model.num_layers ({m.num_layers})", field="training.gemm_precision")  # fmt: skip
     for i, x in enumerate(gp.modules):
-        if x.dtype != "bf16" and x.dtype not in gpu.peak_TFLOPs:
-            raise InputError(f"{x.dtype} needs tensor cores for it: {gpu.kind} lists peaks for "
-                             f"{', '.join(gpu.peak_TFLOPs)} only", field=f"training.gemm_precision.modules[{i}].dtype")  # fmt: skip
+        needs_cores(x.dtype, f"training.gemm_precision.modules[{i}].dtype")
     if s.training.cutedsl_fused_grouped_mlp and (dtype != "mxfp8" or m.num_experts <= 1 or m.ffn_type != "gated"):
         raise InputError(
             "cutedsl_fused_grouped_mlp is TransformerEngine's block-scaled grouped GLU MLP (ops/fused/grouped_mlp.py: "

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from sim.inputs.scenario import Scenario
+from sim.model.dtypes import BYTES_PER_ELEMENT, storage_dtype
 from sim.routing.build import (
     POOL_TOKENS,
     build_balanced,
@@ -37,7 +38,6 @@ from sim.routing.traffic import (
 
 #: ``method="auto"`` samples every token exactly while layers x micro x world x tokens x E stays under this.
 EXACT_LIMIT = 1 << 23
-BYTES_PER_ELEMENT = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2, "mxfp8": 2, "nvfp4": 2}  # storage: quantized recipes keep bf16
 
 
 def expert_param_count(scenario: Scenario) -> int:
@@ -282,9 +282,9 @@ def route_scenario(
         top_k=m.top_k,
         tokens_per_rank=s_tok,
         hidden_size=m.moe_token_width,  # the width the dispatcher moves (latent under LatentMoE)
-        bytes_per_elem=BYTES_PER_ELEMENT[scenario.training.dtype],
+        bytes_per_elem=BYTES_PER_ELEMENT[storage_dtype(scenario.training.dtype)],
         num_shared_experts=m.num_shared_experts,
-        expert_bytes=expert_param_count(scenario) * BYTES_PER_ELEMENT[scenario.training.dtype],
+        expert_bytes=expert_param_count(scenario) * BYTES_PER_ELEMENT[storage_dtype(scenario.training.dtype)],
         seed=r.seed,
         capacity_per_rank=cap,
         arrays=arrays,
