@@ -67,6 +67,8 @@ def test_topo_gb200_nvl72_one_rack(cli):
     assert data["devices"]["nvswitch"] == 1 and data["devices"]["nic"] == 72
     assert set(data["hops"].values()) == {2}  # same tray, other trays, other rails: all NVLink
     assert data["per_gpu"]["intra_GBps"] == pytest.approx(720.0)
+    assert data["per_gpu"]["intra_alltoall_GBps"] == pytest.approx(900 * 0.7428)
+    assert "in all-to-alls    668.5 GB/s" in r.stdout
     assert data["per_gpu"]["nic_GBps"] == pytest.approx(48.5)
     two = summarize(build_cluster(load_topology("gb200-nvl72"), 36))
     assert two["hops"]["farthest_node_same_rail"] == 6  # the other rack: NIC, leaf, spine, leaf, NIC
@@ -78,5 +80,6 @@ def test_topo_dgx_b200(cli):
     data = json.loads(r.stdout)
     assert data["gpu"] == "B200-SXM" and data["num_gpus"] == 16
     assert data["per_gpu"]["intra_GBps"] == pytest.approx(720.0)
+    assert data["per_gpu"]["intra_alltoall_GBps"] == pytest.approx(900 * 0.7146)  # HybridEP's kernel-only dispatch
     assert data["bisection_GBps"] == pytest.approx(8 * 48.5)
     assert data["bisection_closed_form_GBps"] == pytest.approx(8 * 48.5)

@@ -68,6 +68,7 @@ def summarize(cluster) -> dict:
         "num_links": cluster.num_links,
         "per_gpu": {
             "intra_GBps": topo.node.intra.bw_GBps,
+            "intra_alltoall_GBps": topo.node.intra.alltoall_bw_GBps,  # what EP all-to-alls see (sim.hardware.alltoall_links)
             "intra_line_GBps": topo.node.intra.line_bw_GBps,
             "nic_GBps": nic_GBps,
             "nic_line_GBps": topo.scaleout.nic_line_Gbps / 8 * nics / g if nics else 0.0,
@@ -213,6 +214,8 @@ def _print(s: dict, description: str) -> None:
     print(
         f"  per GPU intra-node  {pg['intra_GBps']:.1f} GB/s per direction (line {pg['intra_line_GBps']:.0f})"
     )
+    if pg["intra_alltoall_GBps"] != pg["intra_GBps"]:
+        print(f"    in all-to-alls    {pg['intra_alltoall_GBps']:.1f} GB/s per direction (measured apart from the ring figure)")
     if pg["nic_GBps"]:
         print(
             f"  per GPU NIC         {pg['nic_GBps']:.2f} GB/s per direction (line {pg['nic_line_GBps']:.1f})"

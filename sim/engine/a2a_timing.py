@@ -22,6 +22,7 @@ import simpy
 
 from sim.engine.rank_groups import group_ids
 from sim.frameworks.program import EPAllToAll
+from sim.hardware.alltoall_links import for_all_to_all
 from sim.hardware.cluster import Cluster
 from sim.inputs.scenario import Scenario
 from sim.model.dtypes import BYTES_PER_ELEMENT, storage_dtype
@@ -71,9 +72,10 @@ def routing_rank(s: Scenario, q: np.ndarray) -> np.ndarray:
 
 class A2ATiming:
     def __init__(self, s: Scenario, plan: RoutingPlan | None, cluster: Cluster, env: simpy.Environment, exact: bool):
-        self.s, self.plan, self.cluster, self.exact = s, plan, cluster, exact
-        self.comm = Comm(env, cluster, "ps")
-        self.times = GroupTimes(cluster)
+        self.s, self.plan, self.exact = s, plan, exact
+        self.cluster = for_all_to_all(cluster)  # NVLink at the GPU's all-to-all figure, where it has one
+        self.comm = Comm(env, self.cluster, "ps")
+        self.times = GroupTimes(cluster)  # the capacity all-reduce: ring figures
         self.algo = s.collectives.all_to_all
         self.elem = s.model.moe_token_width * BYTES_PER_ELEMENT[storage_dtype(s.training.dtype)]  # latent under LatentMoE
         self.ep = s.ep

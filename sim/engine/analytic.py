@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from sim.frameworks.ops import AllToAll, CapacitySync, Compute, Gather, GradReady, Schedule, WaitGather
+from sim.hardware.alltoall_links import for_all_to_all
 from sim.network.closed_form import estimate_time_s
 from sim.network.collectives import all_to_all_dag
 from sim.network.comm import group_node_bytes, reduction_model
@@ -41,8 +42,9 @@ def analytic_step(s, sched: Schedule, plan, cluster, cost) -> dict[str, Any]:
             if hier and plan.padded is None:
                 nm = plan.dispatch_node_tokens(op.moe, op.micro) * float(d * bpe)
                 nb = np.mean([group_node_bytes(cluster, g, nm) for g in groups], axis=0)
-            dag = all_to_all_dag(cluster, group, pair, s.collectives.all_to_all, nb, op.direction)
-            a2a_cache[key] = estimate_time_s(cluster, dag)
+            view = for_all_to_all(cluster)  # NVLink at the GPU's all-to-all figure
+            dag = all_to_all_dag(view, group, pair, s.collectives.all_to_all, nb, op.direction)
+            a2a_cache[key] = estimate_time_s(view, dag)
             off = pair.copy()
             np.fill_diagonal(off, 0.0)
             node = np.asarray(group) // cluster.gpus_per_node

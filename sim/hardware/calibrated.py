@@ -46,7 +46,7 @@ def apply_link_calibration(cluster: Cluster, calib: Calibration | None) -> Clust
         graph.edges[u, v]["bw_GBps"] = float(bw[i]) / 1e9
         graph.edges[u, v]["latency_us"] = float(lat[i]) * 1e6
     return replace(
-        cluster, graph=graph, link_bw_Bps=bw, link_latency_s=lat, _path_cache={}, _reroute=None, healthy=None,
+        cluster, graph=graph, link_bw_Bps=bw, link_latency_s=lat, _path_cache={}, _reroute=None, _alltoall=None, healthy=None,
         collective_bytes_factor=factor,
     )
 

@@ -77,6 +77,8 @@ class Cluster:
     #: Calibrated bytes multiplier per collective kind (``Calibration.collective_bytes_factor``):
     #: a collective of ``nbytes`` moves ``nbytes x factor`` over the links (sim.network.collectives.reduction_dag)
     collective_bytes_factor: dict[str, float] = field(default_factory=dict, repr=False)
+    #: The same cluster as all-to-all traffic sees it (:func:`sim.hardware.alltoall_links.for_all_to_all`)
+    _alltoall: Cluster | None = field(default=None, repr=False, compare=False)
 
     @property
     def world_size(self) -> int:

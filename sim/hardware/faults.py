@@ -174,6 +174,7 @@ def apply_faults(cluster: Cluster, scenario_or_faults) -> Cluster:
         link_failed=failed if failed.any() else None,
         _path_cache={},
         _reroute=None,
+        _alltoall=None,
         healthy=cluster,
     )
     if failed.any():

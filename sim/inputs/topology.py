@@ -147,12 +147,22 @@ class LinkSpec(StrictModel):
     model_config = _STRICT
     line_bw_GBps: float = Field(gt=0, le=_BIG, description="line rate per direction, GB/s")
     efficiency: float = Field(default=1.0, gt=0, le=1, description="achieved fraction of line rate")
+    alltoall_efficiency: float | None = Field(
+        default=None, gt=0, le=1,
+        description="achieved fraction of line rate in all-to-all traffic (every peer at once), where it "
+        "was measured apart from the ring figure; None: `efficiency`",
+    )  # fmt: skip
     latency_us: float = Field(default=1.0, ge=0, le=_BIG, description="latency per hop, us")
 
     @property
     def bw_GBps(self) -> float:
         """Effective bandwidth the simulator uses: line rate x efficiency."""
         return self.line_bw_GBps * self.efficiency
+
+    @property
+    def alltoall_bw_GBps(self) -> float:
+        """Effective bandwidth of all-to-all traffic: line rate x ``alltoall_efficiency`` (else ``efficiency``)."""
+        return self.line_bw_GBps * (self.alltoall_efficiency or self.efficiency)
 
 
 class CpuSpec(StrictModel):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import simpy
 
+from sim.hardware.alltoall_links import for_all_to_all
 from sim.hardware.cluster import Cluster
 from sim.network.closed_form import bandwidths_GBps, estimate_time_s
 from sim.network.collectives import collective_dag
@@ -14,7 +15,10 @@ from sim.network.flows import Network
 
 
 def measure(cluster: Cluster, kind: str, algo: str, sizes: list[int]) -> list[dict]:
-    """One fresh simulation per size; rows of nccl-tests figures plus the analytic estimate."""
+    """One fresh simulation per size; rows of nccl-tests figures plus the analytic estimate. An
+    all-to-all runs on the cluster's all-to-all view (:func:`~sim.hardware.alltoall_links.for_all_to_all`)."""
+    if kind == "all_to_all":
+        cluster = for_all_to_all(cluster)
     group = list(range(cluster.world_size))
     rows = []
     for size in sizes:

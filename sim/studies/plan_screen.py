@@ -69,6 +69,7 @@ class Screen:
         self.gpn = s.gpus_per_node
         self.domain = topo.nvlink_domain_gpus or self.gpn
         self.nv_Bps = topo.node.intra.bw_GBps * 1e9
+        self.nv_a2a_Bps = topo.node.intra.alltoall_bw_GBps * 1e9  # EP all-to-alls (sim.hardware.alltoall_links)
         self.nv_lat = 2 * topo.node.intra.latency_us * 1e-6
         so = topo.scaleout
         self.nic_Bps = so.nic_bw_GBps * 1e9 if so.kind != "none" else self.nv_Bps
@@ -102,7 +103,7 @@ class Screen:
             reach_ranks = ep * (1 - (1 - 1 / ep) ** k)
             inter = tokens * d * bpe * reach_nodes * (nodes - 1) / nodes
             intra = tokens * d * bpe * reach_ranks * (local - 1) / ep
-        t = max(intra / self.nv_Bps, inter / self.nic_Bps)
+        t = max(intra / self.nv_a2a_Bps, inter / self.nic_Bps)
         return t + (self.nic_lat if inter > 0 else self.nv_lat)
 
     # ---- one layer --------------------------------------------------------------------------------
