@@ -565,3 +565,27 @@ def test_an_ep_group_inside_one_nvlink_domain_has_no_relay(a2a):
     node = run({"nodes": 1, "gpus_per_node": 8})  # the same 8 GPUs as one node
     assert trays["traffic"]["inter_node_bytes"] == 0
     assert trays["breakdown_s"]["a2a"] == pytest.approx(node["breakdown_s"]["a2a"], rel=1e-9)
+
+
+# ---- DeepEP low-latency kernels (C3) --------------------------------------------------------------------
+def test_low_latency_rows_are_the_direct_all_to_all_of_every_selection(published):
+    """C3 (DeepEP's low-latency kernels): every (token, expert) selection goes straight to its rank, RDMA
+    across nodes from the sender's own NIC, NVLink inside one. The benchmark's bytes are exactly 128 tokens
+    x 8 selections x 7,408 B per rank (FP8 dispatch); at EP256 a rank's kernel ends between its NIC
+    bytes (the larger of out and in) over the NIC's 48.5 GB/s and the busiest NIC's plus the spine path's
+    latency (PCIe 5 + 4 switch hops x 2 + PCIe 5 = 18 us)."""
+    entry = published["C3"]
+    rows = a2a_rows(entry)
+    assert len(rows) == 12 and all(r.predicted is not None and r.predicted > 0 for r in rows)
+    sc = entry["scenario"]
+    point = {"ep": 256, "nodes": 32}
+    got = dispatcher_bandwidth(sc, point, entry)
+    per_sel = 7168 * float(sc["dispatch_bytes_per_element"])
+    assert per_sel == pytest.approx(7408, abs=0.2)  # 1.0335 B per element, as the entry rounds 7408 / 7168
+    assert got["dispatch_GBps"] * 1e9 * got["dispatch_s"] == pytest.approx(128 * 8 * per_sel, rel=1e-9)
+    s = _scenario(sc, point, entry)
+    copies = route_scenario(s).pair_copies(0, 0).astype(np.float64) * per_sel  # (256, 256) src -> dst
+    node = np.arange(256) // GPN
+    cross = node[:, None] != node[None, :]
+    nic = np.maximum((copies * cross).sum(axis=1), (copies * cross).sum(axis=0))
+    assert nic.mean() / NIC_BPS < got["dispatch_s"] < nic.max() / NIC_BPS + 18e-6

@@ -9,6 +9,12 @@
   its Torch API's time: the kernel, then a device-to-device copy of the rank's tokens between its
   registered buffer and the output tensor (``dispatch = dispatch_kernel + d2d + misc``, as its test
   prints it; the "misc", a stream synchronisation and flag updates, is not modelled).
+- DeepEP low-latency kernels (``tests/test_low_latency.py``; ``docs/legacy.md``'s table): 128 tokens per
+  rank, FP8 dispatch (7,408 bytes a copy: values, scales, a 16-byte header), BF16 combine. Each (token,
+  expert) selection goes straight to the destination rank, no deduplication and no forwarding: RDMA from
+  the sender's own NIC (IBGDA: across rails through the spine, not NCCL's PXN) and, since DeepEP's
+  2025-06-05 change, NVLink to same-node peers. That is the ``direct`` all-to-all's traffic; the
+  benchmark's bandwidth counts every selection, local ones included, over the kernel time (kineto).
 - nccl-tests ``alltoall_perf``: ``busbw = S / t x (n-1)/n`` (:mod:`sim.network.nccl_tests`).
 
 The simulated kernel is the dispatcher of :mod:`sim.engine.a2a_timing` (``deepep``/``hybridep``:
@@ -28,6 +34,7 @@ from sim.api import scenario_from_dict
 from sim.engine.a2a_timing import A2ATiming
 from sim.engine.simulate import _cluster, cost_model
 from sim.frameworks.program import EPAllToAll
+from sim.hardware.faults import cluster_for
 from sim.routing.plan import route_scenario
 from sim.studies.published_row import Row
 
@@ -41,6 +48,7 @@ def _scenario(sc: dict[str, Any], point: dict[str, Any], entry) -> Any:
         experts = int(sc.get("num_experts", 256))
         experts = (experts // ep) * ep if experts >= ep else ep
     kernel, sms = point.get("kernel", sc.get("kernel", "")), point.get("sms", sc.get("sms"))  # the point's, else the row's
+    algo = "direct" if low_latency(kernel) else "hybridep" if "hybrid" in str(kernel).lower() else "deepep"
     routing = dict(sc.get("routing", {"generator": "uniform"}))
     if str(routing.get("policy", "topk")).startswith("node_limited"):
         routing["policy"] = "topk" if nodes == 1 else f"node_limited:M={min(nodes, 4)}"
@@ -53,17 +61,22 @@ def _scenario(sc: dict[str, Any], point: dict[str, Any], entry) -> Any:
         "parallelism": {"ep": ep, "zero_stage": 0},
         "training": {"micro_batch_size": 1, "seq_len": int(sc["tokens_per_rank"]), "dtype": "bf16"},
         "routing": {**routing, "dispatch": "dropless", "capacity_factor": None, "seed": 0},
-        "collectives": {"all_to_all": "hybridep" if "hybrid" in str(kernel).lower() else "deepep",
-                        **({"dispatcher_sms": int(sms)} if sms else {})},
+        "collectives": {"all_to_all": algo, **({"dispatcher_sms": int(sms)} if sms else {})},
     }  # fmt: skip
     return scenario_from_dict(data, source=str(entry["_path"]), base_dir=entry["_path"].parent)
+
+
+def low_latency(kernel: str) -> bool:
+    """DeepEP's low-latency kernels (``kernel: deepep-low-latency``)."""
+    return "low-latency" in str(kernel).lower()
 
 
 def dispatcher_bandwidth(sc: dict[str, Any], point: dict[str, Any], entry) -> dict[str, float]:
     """Simulated dispatch and combine times of one EP group and the benchmark's bandwidths."""
     s = _scenario(sc, point, entry)
     plan = route_scenario(s)
-    cluster = _cluster(s)
+    ll = low_latency(point.get("kernel", sc.get("kernel", "")))
+    cluster = cluster_for(s, cross_rail="spine") if ll else _cluster(s)  # IBGDA posts on the sender's own NIC
     import simpy
 
     timing = A2ATiming(s, plan, cluster, simpy.Environment(), exact=True)
@@ -78,6 +91,7 @@ def dispatcher_bandwidth(sc: dict[str, Any], point: dict[str, Any], entry) -> di
     received = rank_tokens.sum(axis=0)  # tokens each rank receives, its own included
     hbm_Bps = cost_model(s).hbm_Bps
     node_tokens = plan.arrays.node_tokens[0, 0][:, :nodes].astype(np.float64)
+    selections = plan.pair_copies(0, 0).sum(axis=1).astype(np.float64)  # (token, expert) copies each rank sends
     for direction in ("dispatch", "combine"):
         op = EPAllToAll(direction, direction, 0, 0)
         fin, _, _ = timing.run(0, op, 0, q, q, np.zeros(s.ep))
@@ -89,7 +103,8 @@ def dispatcher_bandwidth(sc: dict[str, Any], point: dict[str, Any], entry) -> di
         t = float(fin.mean())
         # intranode (or one NVLink domain): NVL bytes received, one copy per rank, own rank included;
         # internode: RDMA tokens sent per destination node, own node included
-        moved = (received if nvl else node_tokens.sum(axis=1)) * per_elem
+        # low-latency: every (token, expert) selection, local ones included
+        moved = (selections if ll else received if nvl else node_tokens.sum(axis=1)) * per_elem
         out[f"{direction}_s"] = t
         out[f"{direction}_GBps"] = float(moved.mean()) / t / 1e9
     return out
@@ -111,9 +126,6 @@ def a2a_rows(entry) -> list:
             rows.append(Row(entry["id"], "a2a", entry["title"], f"busbw_GBps@{got['bytes']}", float(pt["busbw_GBps"]),
                             got["busbw_GBps"], got["busbw_GBps"] / float(pt["busbw_GBps"]) - 1))  # fmt: skip
         return rows
-    if "low-latency" in str(sc.get("kernel", "")).lower() or "low latency" in entry["title"].lower():
-        return [Row(entry["id"], "a2a", entry["title"], "-", float("nan"), None, None,
-                    note="not simulated: DeepEP's low-latency kernels (pure RDMA, IBGDA) are not modelled")]  # fmt: skip
     points = m.get("points") or [dict(m)]
     sc_points = sc.get("points") or [{}] * len(points)
     for i, pt in enumerate(points):  # the measured point's kernel and SMs over the scenario's
