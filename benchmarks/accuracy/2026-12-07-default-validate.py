@@ -32,7 +32,8 @@ SCENS = ["scenarios/cpu-2rank.yaml", "scenarios/accuracy/e4-top2-d256.yaml", "sc
 TAGS = {"": "the machine as it was (other engineers' tests running)", "-quiet": "each command started in a quiet spell",
         "-profcost": "with the profiler's cost a step taken off the trace (the job's own timers)",
         "-alone": "the machine to itself (no other sessions' work), each command started in a quiet spell",
-        "-alone2": "a second session (2026-12-07, 11:20 UTC): the machine to itself for rounds 1-2, this session's own helpers' tests during round 3 ('others'), each command started in a quiet spell"}
+        "-alone2": "a second session (2026-12-07, 11:20 UTC): the machine to itself for rounds 1-2, this session's own helpers' tests during round 3 ('others'), each command started in a quiet spell",
+        "-alone3": "a third session (2026-12-08, 00:30 UTC): the machine to itself, each command started in a quiet spell"}
 QUIET = float(os.environ.get("QUIET_BUSY", "0"))
 
 
