@@ -79,11 +79,12 @@ class AllToAllRendezvous:
                 self.inter[lo:hi] += inter[lo:hi]
             else:
                 self._account_a2a(self.groups[gid], pair, nb, op.direction)
-        if self.comm.model == "ps" and algo == "direct":
-            done = self.comm.direct_a2a(tuple(gids), groups, [blocks[g][0] for g in gids], op.direction)
+        comm = self.a2a_comm  # NVLink at the GPU's all-to-all figure (sim.hardware.alltoall_links)
+        if comm.model == "ps" and algo == "direct":
+            done = comm.direct_a2a(tuple(gids), groups, [blocks[g][0] for g in gids], op.direction)
         else:
-            dags = [self.comm.a2a_dag(self.groups[g], blocks[g][0], algo, blocks[g][1], op.direction) for g in gids]
-            done = self.comm.run(groups, dags)
+            dags = [comm.a2a_dag(self.groups[g], blocks[g][0], algo, blocks[g][1], op.direction) for g in gids]
+            done = comm.run(groups, dags)
         for gid in gids:
             self._launched[(op_idx, gid)] = self.env.now
             gev = self._group_waiters.pop((op_idx, gid), None)

@@ -28,6 +28,7 @@ from sim.engine.alltoall import AllToAllRendezvous
 from sim.engine.comm_stream import CommStream
 from sim.engine.spans import Span
 from sim.frameworks.ops import AllToAll, CapacitySync, Compute, Gather, GradReady, Schedule, WaitGather
+from sim.hardware.alltoall_links import for_all_to_all
 from sim.hardware.cluster import Cluster
 from sim.host.cpu_ranks import WAKE_KERNEL
 from sim.inputs.scenario import Scenario
@@ -63,6 +64,11 @@ class Engine(AllToAllRendezvous, CommStream):
         self.s, self.sched, self.plan, self.cluster = s, sched, plan, cluster
         self.env = simpy.Environment()
         self.comm = Comm(self.env, cluster, comm_model)
+        # all-to-alls on the GPU's all-to-all figure for NVLink where it has one (sim.hardware.alltoall_links):
+        # then on their own network, so that under the flow model they no longer share links with the
+        # gradient collectives (a GPU without the figure keeps one network, as before)
+        view = for_all_to_all(cluster)
+        self.a2a_comm = self.comm if view is cluster else Comm(self.env, view, comm_model)
         self.world = s.world_size
         self.trace = trace_ranks or set()
         self.per_rank = per_rank  # one process per rank even where the vectorised group process is exact
@@ -265,7 +271,7 @@ class Engine(AllToAllRendezvous, CommStream):
             grad_sync_s=self.grad_sync,
             a2a_sent_bytes=self.sent,
             a2a_inter_node_bytes=self.inter,
-            link_bytes=self.comm.total_link_bytes(),
+            link_bytes=self.comm.total_link_bytes() + (0.0 if self.a2a_comm is self.comm else self.a2a_comm.total_link_bytes()),
             spans=sorted(self.spans, key=lambda x: (x.rank, x.stream, x.start)),
             events=next(self.env._eid),  # SimPy's event counter: events scheduled so far
             comm_model=self.comm.model,
