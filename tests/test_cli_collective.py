@@ -46,6 +46,20 @@ def test_all_to_all_two_nodes_is_nic_bound(cli):
         assert row["busbw_GBps"] == pytest.approx(row["algbw_GBps"] * 15 / 16)
 
 
+def test_all_to_all_on_b200_says_its_nvlink_figure(cli):
+    """One B200 node: the all-to-all runs NVLink at the GPU's all-to-all figure (0.7146 of 900), and says so."""
+    r = cli("collective", "all_to_all", "--topology", "dgx-b200", "--nodes", "1", "--bytes", "1G")
+    assert r.returncode == 0, r.stderr
+    assert "# NVLink at the GPU's all-to-all figure: 643.1 GB/s per direction (ring collectives: 720.0)" in r.stdout
+    j = cli("collective", "all_to_all", "--topology", "dgx-b200", "--nodes", "1", "--bytes", "1G", "--json", "-")
+    data = json.loads(j.stdout)
+    assert data["intra_GBps"] == pytest.approx(900 * 0.7146)
+    wire = 2**30 * 7 / 8  # each GPU sends (n-1)/n of its buffer; one NVLink path latency, 2 x 2.5 us
+    assert data["rows"][0]["busbw_GBps"] == pytest.approx(wire / (5e-6 + wire / 643.14e9) / 1e9, rel=1e-6)
+    ring = cli("collective", "all_reduce", "--topology", "dgx-b200", "--nodes", "1", "--bytes", "1G", "--json", "-")
+    assert json.loads(ring.stdout)["intra_GBps"] == pytest.approx(720.0)
+
+
 def test_all_reduce_table(cli):
     r = cli("collective", "all_reduce", "--topology", "dgx-h100", "--nodes", "2", "--bytes", "1M,1G")
     assert r.returncode == 0, r.stderr

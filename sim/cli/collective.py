@@ -101,8 +101,11 @@ def run(args: argparse.Namespace) -> int:
         "gpus_per_node": cluster.gpus_per_node,
         "ranks": cluster.world_size,
         "size_convention": "per-rank buffer" if args.kind in ("all_reduce", "all_to_all") else "whole array",
+        # NVLink per GPU and direction as this collective sees it (all-to-alls: node.intra.alltoall_efficiency)
+        "intra_GBps": (cluster.topology.node.intra.alltoall_bw_GBps if args.kind == "all_to_all"
+                       else cluster.topology.node.intra.bw_GBps),
         "rows": rows,
-    }
+    }  # fmt: skip
     if args.json:
         write_json(args.json, result)
     if args.json != "-":
@@ -110,6 +113,9 @@ def run(args: argparse.Namespace) -> int:
             f"# moesim collective {args.kind} ({algo}): {cluster.topology.name}, {cluster.nodes} node(s) x "
             f"{cluster.gpus_per_node} GPUs = {cluster.world_size} ranks (simulated; GB/s = 1e9 B/s)"
         )
+        if result["intra_GBps"] != cluster.topology.node.intra.bw_GBps:
+            print(f"# NVLink at the GPU's all-to-all figure: {result['intra_GBps']:.1f} GB/s per direction "
+                  f"(ring collectives: {cluster.topology.node.intra.bw_GBps:.1f})")  # fmt: skip
         print(
             f"# {'size (B)':>14} {'time (us)':>12} {'algbw (GB/s)':>13} {'busbw (GB/s)':>13} {'analytic (us)':>14}"
         )
