@@ -24,7 +24,7 @@ from sim.inputs.calibration import load_calibration
 from sim.inputs.scenario import Scenario
 from sim.model.dtypes import is_quantized
 from sim.model.flops import model_flops_per_token
-from sim.model.memory import memory_per_gpu
+from sim.model.memory import memory_per_gpu, zero_memory_applies
 from sim.model.params import count_params
 from sim.network.comm import FLOW_AUTO_MAX_RANKS
 
@@ -232,8 +232,7 @@ def _by_kind(link_bytes: np.ndarray, s: Scenario) -> dict[str, float]:
 
 def _memory(s: Scenario) -> dict[str, Any]:
     """The ``memory`` record: per stage for layouts (sim.model.stage_memory), else ZeRO's per GPU."""
-    p, t = s.parallelism, s.training
-    if p.tp == p.cp == p.pp == p.etp == 1 and t.framework == "deepspeed" and not is_quantized(t.dtype):
+    if zero_memory_applies(s):
         rec = memory_per_gpu(s).as_dict()
         rec["per_stage"] = [{"stage": 0, "peak_GiB_per_gpu": rec["peak_GiB_per_gpu"], "fits": rec["fits"],
                              "in_flight_micro_batches": 1.0}]  # fmt: skip

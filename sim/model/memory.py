@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 
 from sim.inputs.scenario import ModelConfig, Scenario
-from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div
+from sim.model.dtypes import BYTES_PER_ELEMENT, ceil_div, is_quantized
 from sim.model.params import count_params, layer_params
 
 GiB = 1024**3
@@ -264,6 +264,13 @@ def comm_buffer_bytes(s: Scenario, params_on_rank: int) -> int:
     return a2a + bucket
 
 
+def zero_memory_applies(s: Scenario) -> bool:
+    """Whether :func:`memory_per_gpu` (DeepSpeed ZeRO on plain data + expert parallelism, no FP8-family
+    precision) describes ``s``; every other layout takes the per-stage model (:mod:`sim.model.stage_memory`)."""
+    p, t = s.parallelism, s.training
+    return p.tp == p.cp == p.pp == p.etp == 1 and t.framework == "deepspeed" and not is_quantized(t.dtype)
+
+
 def memory_per_gpu(s: Scenario) -> MemoryBreakdown:
     """Peak memory estimate of one GPU of scenario ``s`` (see the module docstring)."""
     m, t = s.model, s.training
@@ -298,6 +305,7 @@ __all__ = [
     "ffn_gemm_input_elements",
     "layer_activation_bytes",
     "layer_gemm_input_elements",
+    "zero_memory_applies",
     "memory_per_gpu",
     "model_state_bytes",
     "moe_rows_per_rank",

@@ -75,7 +75,7 @@ def dispatcher_bandwidth(sc: dict[str, Any], point: dict[str, Any], entry) -> di
     """Simulated dispatch and combine times of one EP group and the benchmark's bandwidths."""
     s = _scenario(sc, point, entry)
     plan = route_scenario(s)
-    ll = low_latency(point.get("kernel", sc.get("kernel", "")))
+    ll = s.collectives.all_to_all == "direct"  # the low-latency kernels (_scenario maps only them to direct)
     cluster = cluster_for(s, cross_rail="spine") if ll else _cluster(s)  # IBGDA posts on the sender's own NIC
     import simpy
 

@@ -24,7 +24,6 @@ from sim.errors import InputError
 from sim.inputs.scenario import Scenario
 from sim.inputs.sections import CollectivesConfig, ParallelismConfig, RoutingConfig, TrainingConfig
 from sim.inputs.yamlio import validate_model
-from sim.model.dtypes import is_quantized
 from sim.studies.plan_space import Candidate, ModelShape, Space, Split
 
 #: global batch (sequences) when neither --global-batch nor a scenario gives one
@@ -209,11 +208,10 @@ def candidate_scenario(base: PlanBase, c: Candidate) -> Scenario:
 def memory_record(s: Scenario) -> dict[str, Any]:
     """The ``memory`` record ``simulate`` reports: per GPU for DeepSpeed data + expert layouts, else per
     pipeline stage."""
-    from sim.model.memory import memory_per_gpu
+    from sim.model.memory import memory_per_gpu, zero_memory_applies
     from sim.model.stage_memory import stage_memory_record
 
-    p, t = s.parallelism, s.training
-    if p.tp == p.cp == p.pp == p.etp == 1 and t.framework == "deepspeed" and not is_quantized(t.dtype):
+    if zero_memory_applies(s):
         return memory_per_gpu(s).as_dict()
     return stage_memory_record(s)
 
@@ -226,14 +224,10 @@ def fits(memory: dict[str, Any], headroom_GiB: float = 0.0) -> bool:
 def states_exceed(s: Scenario, headroom_GiB: float = 0.0) -> bool:
     """Whether some pipeline stage's weights, gradients and optimizer states alone exceed the GPU's
     memory less ``headroom_GiB`` (then no micro-batch size or recompute makes the layout fit)."""
-    from sim.model.memory import GiB, memory_per_gpu
+    from sim.model.memory import GiB, memory_per_gpu, zero_memory_applies
     from sim.model.stage_memory import memory_per_stage
 
-    p, t = s.parallelism, s.training
-    if p.tp == p.cp == p.pp == p.etp == 1 and t.framework == "deepspeed" and not is_quantized(t.dtype):
-        stages = [memory_per_gpu(s)]
-    else:
-        stages = memory_per_stage(s)
+    stages = [memory_per_gpu(s)] if zero_memory_applies(s) else memory_per_stage(s)
     return any(b.weights + b.gradients + b.optimizer_states > (b.capacity_GiB - headroom_GiB) * GiB for b in stages)
 
 
